@@ -1,0 +1,209 @@
+// The native wire protocol: constants, limits and bounds-checked codecs. No sockets here.
+// The frame layout and every opcode's payload are specified in docs/protocol.md.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace elasticstore {
+
+// ---- connection start -------------------------------------------------------------------------
+inline constexpr char kNativePreamble[4] = {'E', 'S', 'T', 'O'};
+inline constexpr std::size_t kPreambleBytes = 4;
+inline constexpr uint8_t kTorchValidateByte = 0x00;  // first byte of torch's TCPStore VALIDATE
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// ---- limits (every size the server accepts is named here) -------------------------------------
+inline constexpr std::size_t kMaxKeyBytes = 8 * 1024;
+inline constexpr std::size_t kMaxValueBytes = 8 * 1024 * 1024;
+inline constexpr std::size_t kMaxKeysPerRequest = 128 * 1024;
+inline constexpr std::size_t kFrameHeaderBytes = 4 + 1 + 4;  // len, opcode/status, request id
+inline constexpr std::size_t kMinFrameBody = 1 + 4;
+// A frame must fit one maximal value plus its key and framing; multi-requests share this budget.
+inline constexpr std::size_t kMaxFrameBytes = kMaxValueBytes + 2 * kMaxKeyBytes + 64;
+// A reply larger than this (e.g. a MULTI_GET of many large values) is refused with TOO_LARGE.
+inline constexpr std::size_t kMaxReplyBytes = 64 * 1024 * 1024;
+// Unsent reply bytes a connection may accumulate before it is closed as a slow reader.
+inline constexpr std::size_t kMaxWriteBufferBytes = 128 * 1024 * 1024;
+// Time a client has to finish sending a frame it started.
+inline constexpr uint32_t kFrameTimeoutMs = 30'000;
+inline constexpr std::size_t kMaxClientNameBytes = 256;
+inline constexpr std::size_t kDefaultMaxConnections = 65'536;
+// Watch history: recent changes kept so that a watcher never misses one between two watches.
+inline constexpr std::size_t kWatchHistoryEvents = 65'536;
+inline constexpr std::size_t kWatchHistoryBytes = 64 * 1024 * 1024;
+
+inline constexpr uint32_t kNoTimeout = 0xFFFFFFFFu;
+inline constexpr uint64_t kWatchFromNow = 0xFFFFFFFFFFFFFFFFull;
+inline constexpr uint8_t kFlagEphemeral = 0x01;
+
+enum class Op : uint8_t {
+  Hello = 1,
+  Set = 2,
+  Get = 3,
+  TryGet = 4,
+  Add = 5,
+  CompareSet = 6,
+  Wait = 7,
+  Check = 8,
+  DeleteKey = 9,
+  NumKeys = 10,
+  ListKeys = 11,
+  Append = 12,
+  MultiGet = 13,
+  MultiSet = 14,
+  QueuePush = 15,
+  QueuePop = 16,
+  QueueLen = 17,
+  Ping = 18,
+  Barrier = 19,
+  Watch = 20,
+  Stats = 21,
+};
+inline constexpr uint8_t kMaxOp = 21;
+
+enum class Status : uint8_t {
+  Ok = 0,
+  Timeout = 1,
+  Error = 2,
+  WrongType = 3,
+  TooLarge = 4,
+  Compacted = 5,
+  Unauthenticated = 6,
+};
+
+enum class EventKind : uint8_t { Set = 1, Delete = 2 };
+
+const char* op_name(uint8_t op);
+const char* status_name(uint8_t status);
+
+// ---- encoding ---------------------------------------------------------------------------------
+// Appends little-endian fields to a std::string. begin_frame()/end_frame() write the header and
+// patch the length once the payload is known.
+class Writer {
+ public:
+  explicit Writer(std::string& out) : out_(out) {}
+
+  void u8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
+  void u32(uint32_t v) { put(&v, sizeof v); }
+  void u64(uint64_t v) { put(&v, sizeof v); }
+  void i64(int64_t v) { put(&v, sizeof v); }
+  void bytes(std::string_view s) {
+    u32(static_cast<uint32_t>(s.size()));
+    out_.append(s.data(), s.size());
+  }
+  void keys(const std::vector<std::string>& ks) {
+    u32(static_cast<uint32_t>(ks.size()));
+    for (const auto& k : ks) bytes(k);
+  }
+
+  // Starts a frame: reserves the length, writes the opcode (or status) and request id.
+  void begin_frame(uint8_t code, uint32_t request_id) {
+    frame_start_ = out_.size();
+    u32(0);
+    u8(code);
+    u32(request_id);
+  }
+  // Patches the length of the frame begun last.
+  void end_frame() {
+    const uint32_t body = static_cast<uint32_t>(out_.size() - frame_start_ - 4);
+    std::memcpy(&out_[frame_start_], &body, sizeof body);
+  }
+
+ private:
+  void put(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
+  std::string& out_;
+  std::size_t frame_start_ = 0;
+};
+
+// ---- decoding ---------------------------------------------------------------------------------
+// Reads fields from a byte range. Every read is bounds-checked: on underflow the reader turns
+// !ok() and every later read yields zero/empty, so a handler decodes all fields, then checks ok()
+// and done() once.
+class Reader {
+ public:
+  Reader(const char* data, std::size_t size) : p_(data), end_(data + size) {}
+  explicit Reader(std::string_view s) : Reader(s.data(), s.size()) {}
+
+  bool ok() const { return ok_; }
+  // True when every byte was consumed and nothing under-ran.
+  bool done() const { return ok_ && p_ == end_; }
+  std::size_t remaining() const { return static_cast<std::size_t>(end_ - p_); }
+
+  uint8_t u8() { return get<uint8_t>(); }
+  uint32_t u32() { return get<uint32_t>(); }
+  uint64_t u64() { return get<uint64_t>(); }
+  int64_t i64() { return get<int64_t>(); }
+
+  // A length-prefixed byte string, refused (reader fails) when longer than max_len.
+  std::string_view bytes(std::size_t max_len) {
+    const uint32_t n = u32();
+    if (!ok_ || n > max_len || n > remaining()) return fail_view();
+    std::string_view v(p_, n);
+    p_ += n;
+    return v;
+  }
+  // A count (u32) refused when over max_count or when it cannot fit the remaining bytes
+  // (each element needs at least min_elem_bytes), so no allocation trusts a declared count.
+  uint32_t count(std::size_t max_count, std::size_t min_elem_bytes) {
+    const uint32_t n = u32();
+    if (!ok_ || n > max_count || (min_elem_bytes && n > remaining() / min_elem_bytes)) {
+      ok_ = false;
+      return 0;
+    }
+    return n;
+  }
+
+ private:
+  template <typename T>
+  T get() {
+    T v{};
+    if (!ok_ || remaining() < sizeof(T)) {
+      ok_ = false;
+      return v;
+    }
+    std::memcpy(&v, p_, sizeof(T));
+    p_ += sizeof(T);
+    return v;
+  }
+  std::string_view fail_view() {
+    ok_ = false;
+    return {};
+  }
+  const char* p_;
+  const char* end_;
+  bool ok_ = true;
+};
+
+// The header of a frame at the front of a buffer, when all of it has arrived.
+struct FrameHeader {
+  uint32_t body_len = 0;  // bytes after the length field
+  uint8_t code = 0;       // opcode (requests) or status (replies)
+  uint32_t request_id = 0;
+  std::size_t total() const { return 4 + static_cast<std::size_t>(body_len); }
+  std::size_t payload_len() const { return body_len - kMinFrameBody; }
+};
+
+enum class FrameParse { NeedMore, Ready, TooLarge, Malformed };
+
+// Peeks at a frame at the front of [data, data+size) without consuming anything.
+// Ready: the whole frame is there; NeedMore: wait for more bytes; TooLarge/Malformed: close.
+inline FrameParse peek_frame(const char* data, std::size_t size, std::size_t max_frame_bytes,
+                             FrameHeader* out) {
+  if (size < 4) return FrameParse::NeedMore;
+  uint32_t body = 0;
+  std::memcpy(&body, data, 4);
+  if (body < kMinFrameBody) return FrameParse::Malformed;
+  if (body > max_frame_bytes) return FrameParse::TooLarge;
+  if (size < 4 + static_cast<std::size_t>(body)) return FrameParse::NeedMore;
+  out->body_len = body;
+  out->code = static_cast<uint8_t>(data[4]);
+  std::memcpy(&out->request_id, data + 5, 4);
+  return FrameParse::Ready;
+}
+
+}  // namespace elasticstore

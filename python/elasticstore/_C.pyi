@@ -1,0 +1,114 @@
+"""Types for the native extension ``elasticstore._C`` (C++, pybind11).
+
+``_C`` knows nothing of torch. Timeouts are seconds (float); a negative timeout waits forever;
+``0`` does not block. Keys are ``str`` or ``bytes`` (``str`` is encoded as UTF-8); values are
+``str`` or ``bytes``; values come back as ``bytes``. Every call that touches the network releases
+the GIL.
+
+Errors: until :func:`_set_error_types` is called, ``_C`` raises ``RuntimeError`` for store errors,
+``TimeoutError`` for timeouts and ``ConnectionError`` for network failures. ``elasticstore``
+registers its own classes (which subclass torch's ``DistStoreError``/``DistNetworkError``) at import.
+"""
+
+from typing import Literal
+
+_Key = str | bytes
+_Value = str | bytes
+
+__version__: str
+PROTOCOL_VERSION: int
+MAX_KEY_BYTES: int
+MAX_VALUE_BYTES: int
+MAX_KEYS_PER_REQUEST: int
+NO_TIMEOUT: float  # -1.0
+
+def _set_error_types(
+    *,
+    store: type[Exception],
+    timeout: type[Exception],
+    network: type[Exception],
+    compacted: type[Exception],
+) -> None:
+    """Sets the Python classes raised for: a store error reply (ERROR, WRONG_TYPE, TOO_LARGE,
+    UNAUTHENTICATED, protocol violations), a timeout, a network failure, and a COMPACTED watch.
+    The compacted class is constructed with (message, oldest_revision)."""
+
+class Server:
+    """The native TCP store server. The constructor binds and listens (so ``port`` is known and
+    address errors are raised at once); ``start()`` serves on a background thread."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        backlog: int = 0,  # 0: /proc/sys/net/core/somaxconn
+        max_connections: int = 65536,
+        log_level: Literal["debug", "info", "warning", "error", "off"] = "warning",
+    ) -> None: ...
+    @property
+    def host(self) -> str: ...  # the numeric address bound
+    @property
+    def port(self) -> int: ...
+    @property
+    def running(self) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self) -> None:
+        """Stops serving, closes every connection and the listening socket, joins the thread.
+        Idempotent; also done on destruction."""
+    def stats(self) -> dict[str, int]: ...
+
+class Client:
+    """A blocking client on one TCP connection. Thread-safe: calls from several threads are
+    serialized on the connection; use ``clone()`` for independent connections. The constructor
+    connects, retrying with backoff until ``connect_timeout``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout: float = 300.0,
+        client_name: str = "",
+    ) -> None: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def session_id(self) -> int: ...
+    def clone(self) -> Client: ...
+    def close(self) -> None: ...
+    def set(self, key: _Key, value: _Value, ephemeral: bool = False) -> int:
+        """Returns the revision of the change."""
+    def get(self, key: _Key, timeout: float) -> bytes:
+        """Blocks server-side until the key exists (one round trip)."""
+    def try_get(self, key: _Key) -> tuple[bytes, int] | None:
+        """(value, mod_revision), or None when the key is missing. Never blocks."""
+    def add(self, key: _Key, delta: int) -> int: ...
+    def compare_set(
+        self, key: _Key, expected: _Value, desired: _Value, ephemeral: bool = False
+    ) -> tuple[bool, bytes | None]:
+        """(swapped, value now stored or None when the key is missing)."""
+    def wait(self, keys: list[_Key], timeout: float) -> None: ...
+    def check(self, keys: list[_Key]) -> bool: ...
+    def delete_key(self, key: _Key) -> bool: ...
+    def num_keys(self) -> int: ...
+    def list_keys(self, prefix: _Key = "") -> list[str]: ...
+    def append(self, key: _Key, value: _Value) -> int: ...
+    def multi_get(self, keys: list[_Key], timeout: float) -> list[bytes]: ...
+    def multi_set(self, keys: list[_Key], values: list[_Value]) -> int: ...
+    def queue_push(self, queue: _Key, value: _Value) -> int:
+        """Returns the queue length after the push."""
+    def queue_pop(self, queue: _Key, timeout: float) -> bytes | None:
+        """timeout 0: None when empty. Otherwise blocks; raises the timeout error when it passes."""
+    def queue_len(self, queue: _Key) -> int: ...
+    def ping(self) -> None: ...
+    def barrier(self, key: _Key, world_size: int, timeout: float) -> int:
+        """Returns the generation released (0, 1, 2, ...)."""
+    def watch(
+        self, key: _Key, after_revision: int | None, timeout: float, prefix: bool = False
+    ) -> tuple[Literal["set", "delete"], str, bytes, int]:
+        """The first change after ``after_revision`` (None: after now) to the key, or to any key
+        under it when ``prefix``: (kind, key, value, revision)."""
+    def stats(self) -> dict[str, int]: ...
