@@ -1,1 +1,153 @@
-// placeholder: replaced by the real implementation
+#include "connection.hpp"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "log.hpp"
+
+namespace elasticstore {
+
+const char* state_name(ConnState s) noexcept {
+  switch (s) {
+    case ConnState::AwaitingPreamble: return "AwaitingPreamble";
+    case ConnState::Handshaking: return "Handshaking";
+    case ConnState::Serving: return "Serving";
+    case ConnState::Closing: return "Closing";
+  }
+  return "?";
+}
+
+Connection::Connection(int fd, ConnId id, std::string peer) noexcept
+    : fd_(fd), id_(id), peer_(std::move(peer)) {}
+
+Connection::~Connection() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Connection::set_state(ConnState next) noexcept {
+  if (state_ == next || state_ == ConnState::Closing) return;
+  log(LogLevel::Debug, "connection %s: %s -> %s", peer_.c_str(), state_name(state_), state_name(next));
+  state_ = next;
+}
+
+void Connection::fail(std::string reason, bool bad_input) {
+  if (state_ == ConnState::Closing) return;
+  close_reason_ = std::move(reason);
+  bad_input_ = bad_input;
+  set_state(ConnState::Closing);
+  in_.clear();
+  out_.clear();
+}
+
+// Returns the bytes the preamble used (0 while more are needed, or when it failed).
+std::size_t Connection::sniff(const char* data, std::size_t size) {
+  const auto first = static_cast<uint8_t>(data[0]);
+  if (first == kTorchValidateByte) {
+    fail("torch TCPStore protocol not supported yet", true);
+    return 0;
+  }
+  if (first != static_cast<uint8_t>(kNativePreamble[0])) {
+    char why[64];
+    std::snprintf(why, sizeof why, "unknown protocol (first byte 0x%02x)", first);
+    fail(why, true);
+    return 0;
+  }
+  const std::size_t n = size < kPreambleBytes ? size : kPreambleBytes;
+  if (std::memcmp(data, kNativePreamble, n) != 0) {
+    fail("bad preamble (expected ESTO)", true);
+    return 0;
+  }
+  if (n < kPreambleBytes) return 0;
+  codec_ = make_native_codec();
+  set_state(ConnState::Handshaking);
+  return kPreambleBytes;
+}
+
+// Handles whole requests from the front of [data, size); returns the bytes consumed.
+std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size_t size) {
+  std::size_t used = 0;
+  while (used < size && state_ != ConnState::Closing) {
+    if (state_ == ConnState::AwaitingPreamble) {
+      const std::size_t n = sniff(data + used, size - used);
+      if (n == 0) break;
+      used += n;
+      continue;
+    }
+    CommandContext ctx{host.kv(), id_, out_.tail(), host};
+    std::size_t consumed = 0;
+    std::string reason;
+    const Step s = codec_->step(ctx, data + used, size - used, &consumed, &reason);
+    if (s == Step::NeedMore) break;
+    if (s == Step::Close) {
+      fail(std::move(reason), true);
+      break;
+    }
+    used += consumed;
+    progressed_ = true;
+    if (state_ == ConnState::Handshaking && codec_->handshake_done()) set_state(ConnState::Serving);
+    host.drain_ready();  // this connection's own completions land in out_ in request order
+    if (out_.size() > kMaxWriteBufferBytes) fail("write buffer over kMaxWriteBufferBytes", false);
+  }
+  return used;
+}
+
+bool Connection::on_readable(ConnectionHost& host, char* scratch, std::size_t scratch_size) {
+  progressed_ = false;
+  if (state_ == ConnState::Closing) return false;
+  const ssize_t n = ::read(fd_, scratch, scratch_size);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+    fail(std::string("read failed: ") + std::strerror(errno), false);
+    return false;
+  }
+  if (n == 0) {
+    fail(in_.empty() ? "peer closed" : "peer closed in the middle of a request", false);
+    return false;
+  }
+  // Parse straight from the scratch buffer when nothing is pending, so a connection copies only
+  // the tail of an incomplete request into its own buffer.
+  const bool from_scratch = in_.empty();
+  if (!from_scratch) in_.append(scratch, static_cast<std::size_t>(n));
+  const char* data = from_scratch ? scratch : in_.data();
+  const std::size_t size = from_scratch ? static_cast<std::size_t>(n) : in_.size();
+  const std::size_t used = handle(host, data, size);
+  if (state_ == ConnState::Closing) return false;
+  if (from_scratch) {
+    // No reserve for the declared frame size: a peer could declare 8 MiB on every connection
+    // and send nothing more. Geometric growth costs little more and follows real bytes.
+    if (used < size) in_.append(data + used, size - used);
+  } else {
+    in_.consume(used);
+  }
+  return true;
+}
+
+bool Connection::flush() {
+  while (!out_.empty()) {
+    const ssize_t n = ::send(fd_, out_.data(), out_.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      out_.consume(static_cast<std::size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return true;
+    } else {
+      fail(std::string("write failed: ") + std::strerror(errno), false);
+      return false;
+    }
+  }
+  return true;
+}
+
+bool Connection::deliver(const Completion& c) {
+  if (state_ == ConnState::Closing || !codec_) return true;
+  codec_->complete(c, out_.tail());
+  if (out_.size() <= kMaxWriteBufferBytes) return true;
+  fail("write buffer over kMaxWriteBufferBytes", false);
+  return false;
+}
+
+}  // namespace elasticstore

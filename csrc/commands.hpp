@@ -1,0 +1,51 @@
+// Codecs turn a connection's bytes into calls on KvState and Completions into reply bytes. The
+// native codec lives in commands.cpp (one handler per opcode, in a table indexed by opcode); a
+// TCPStore codec implements the same interface over the same KvState and waiter machinery.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kv_state.hpp"
+
+namespace elasticstore {
+
+using StatsList = std::vector<std::pair<std::string, uint64_t>>;
+
+class StatsSource {
+ public:
+  virtual ~StatsSource() = default;
+  virtual StatsList stats_snapshot() const = 0;
+};
+
+struct CommandContext {
+  KvState& kv;
+  ConnId conn;
+  std::string& out;  // the connection's write buffer: replies are appended here
+  const StatsSource& stats;
+};
+
+enum class Step { NeedMore, Handled, Close };
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  virtual const char* name() const noexcept = 0;
+  // Handles the one request at the front of [data, data + size) if all of it is there.
+  // Handled: *consumed bytes are done. Close: *reason says why (logged, then the connection closes).
+  virtual Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
+                    std::string* reason) = 0;
+  // Encodes a finished blocking request for this codec's peer.
+  virtual void complete(const Completion& c, std::string& out) = 0;
+  // True once the codec's handshake is done (native: HELLO answered).
+  virtual bool handshake_done() const noexcept = 0;
+};
+
+// The native codec; expects the preamble to have been consumed already.
+std::unique_ptr<Codec> make_native_codec();
+
+}  // namespace elasticstore

@@ -1,0 +1,86 @@
+// One client connection: its socket, buffers and a single documented state machine (memcached
+// style). The first bytes pick the codec; the codec turns whole requests into KvState calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "buffer.hpp"
+#include "commands.hpp"
+#include "event_loop.hpp"
+
+namespace elasticstore {
+
+// AwaitingPreamble -> Handshaking -> Serving -> Closing. Any state may go to Closing; nothing
+// leaves it.
+enum class ConnState : uint8_t {
+  AwaitingPreamble,  // no codec yet: the first byte picks one ('E' native, 0x00 torch's TCPStore)
+  Handshaking,       // codec chosen; only its handshake is accepted (native: HELLO)
+  Serving,           // every opcode of the codec
+  Closing,           // reason logged; no more input or replies; the server reaps it before polling
+};
+const char* state_name(ConnState s) noexcept;
+
+// What a connection needs from the server while it processes input.
+class ConnectionHost : public StatsSource {
+ public:
+  virtual KvState& kv() noexcept = 0;
+  // Encodes the completions queued by the last command into their connections' write buffers.
+  virtual void drain_ready() = 0;
+};
+
+class Connection {
+ public:
+  Connection(int fd, ConnId id, std::string peer) noexcept;
+  ~Connection();  // closes the socket
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  int fd() const noexcept { return fd_; }
+  ConnId id() const noexcept { return id_; }
+  const std::string& peer() const noexcept { return peer_; }
+  ConnState state() const noexcept { return state_; }
+  void set_state(ConnState next) noexcept;
+
+  // Reads once into `scratch` and handles every whole request. Returns false when the connection
+  // must close; close_reason()/bad_input() then say why.
+  bool on_readable(ConnectionHost& host, char* scratch, std::size_t scratch_size);
+  // Writes as much of the write buffer as the kernel takes. False on a socket error.
+  bool flush();
+  // Appends a finished blocking request; false when the write buffer went over its limit.
+  bool deliver(const Completion& c);
+
+  bool wants_write() const noexcept { return !out_.empty(); }
+  bool has_partial_request() const noexcept { return !in_.empty(); }
+  bool progressed() const noexcept { return progressed_; }  // a request completed in last read
+  std::size_t buffered_bytes() const noexcept { return in_.size() + out_.size(); }
+  const std::string& close_reason() const noexcept { return close_reason_; }
+  bool bad_input() const noexcept { return bad_input_; }
+  void fail(std::string reason, bool bad_input);
+
+  // Server bookkeeping.
+  EventLoop::TimerId frame_timer = 0;
+  bool epollout = false;        // EPOLLOUT registered (a write is blocked)
+  bool dirty = false;           // in the server's flush list
+  bool queued_close = false;    // session closed, awaiting reaping
+  std::size_t accounted = 0;    // bytes counted in the server's bytes_buffered
+
+ private:
+  std::size_t handle(ConnectionHost& host, const char* data, std::size_t size);
+  std::size_t sniff(const char* data, std::size_t size);
+
+  int fd_;
+  ConnId id_;
+  std::string peer_;
+  ConnState state_ = ConnState::AwaitingPreamble;
+  std::unique_ptr<Codec> codec_;
+  Buffer in_;   // only an incomplete request is kept here between reads
+  Buffer out_;
+  std::string close_reason_;
+  bool bad_input_ = false;
+  bool progressed_ = false;
+};
+
+}  // namespace elasticstore

@@ -1,0 +1,183 @@
+// The store's data and its waiters; no sockets, no wire format. Every codec (native now, torch's
+// TCPStore later) decodes requests into calls here and encodes the Completions this produces.
+//
+// Waiters (Redis blocked.c): a blocked request is a record in `waiters_`, linked into exactly one
+// index list (the key it waits for, the queue, the barrier, the watched key or prefix) through a
+// stored list iterator, into its session's waiter set, and into the deadline index. Unlinking is
+// O(1) per index, so closing a connection costs O(its own waiters). A finished waiter becomes a
+// Completion on the ready list, which the server drains after each command.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <set>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "protocol.hpp"
+
+namespace elasticstore {
+
+using ConnId = uint64_t;
+using WaiterId = uint64_t;
+inline constexpr uint64_t kNoDeadline = ~uint64_t{0};
+// Bookkeeping charged to each history event besides its key and value bytes.
+inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
+
+enum class WaitKind : uint8_t { Get, Wait, MultiGet, QueuePop, Barrier, Watch };
+
+// A finished blocking request in codec-neutral form.
+struct Completion {
+  ConnId conn = 0;
+  uint64_t tag = 0;  // the codec's handle on the request (native: request id)
+  WaitKind kind = WaitKind::Get;
+  Status status = Status::Ok;
+  // GET, QUEUE_POP, WATCH: one value; MULTI_GET: all values; WAIT/MULTI_GET TIMEOUT: missing keys.
+  std::vector<std::string> values;
+  std::string key;                   // WATCH: the changed key; ERROR: the message
+  EventKind event = EventKind::Set;  // WATCH
+  // GET: mod_revision; WATCH: the event's revision, the current one (TIMEOUT) or the oldest held
+  // (COMPACTED); BARRIER: the generation.
+  uint64_t revision = 0;
+  uint32_t arrived = 0, world_size = 0;  // BARRIER TIMEOUT
+};
+
+struct Entry {
+  std::string value;
+  uint64_t mod_revision = 0;
+  ConnId owner = 0;  // session the key is bound to (ephemeral); 0: none
+};
+
+struct CasResult {
+  bool swapped = false;
+  bool exists = false;
+  std::string current;
+};
+
+struct HistoryEvent {
+  EventKind kind;
+  std::string key;
+  std::string value;
+  uint64_t revision;
+};
+
+class KvState {
+ public:
+  using Clock = uint64_t (*)();  // monotonic milliseconds
+  explicit KvState(Clock clock = nullptr);
+
+  // ---- sessions ----
+  void open_session(ConnId conn);
+  // Drops the session's waiters silently, then deletes the keys still bound to it.
+  void close_session(ConnId conn);
+  // Drops the session's waiters without a reply (torch's CANCEL_WAIT).
+  void cancel_waiters(ConnId conn);
+
+  // ---- plain operations (sizes are the codec's to check) ----
+  uint64_t set(ConnId conn, std::string_view key, std::string_view value, bool ephemeral);
+  const Entry* find(std::string_view key) const;
+  Status add(std::string_view key, int64_t delta, int64_t* out);
+  CasResult compare_set(ConnId conn, std::string_view key, std::string_view expected,
+                        std::string_view desired, bool ephemeral);
+  bool check(const std::vector<std::string_view>& keys) const;
+  bool erase(std::string_view key);
+  std::size_t num_keys() const noexcept { return keys_.size(); }
+  std::vector<std::string> list_keys(std::string_view prefix) const;
+  Status append(std::string_view key, std::string_view value, uint64_t* revision);
+  int64_t queue_push(std::string_view queue, std::string_view value);
+  int64_t queue_len(std::string_view queue) const;
+
+  // ---- blocking operations: the answer is a Completion on the ready list, at once or later ----
+  void get(ConnId conn, uint64_t tag, std::string_view key, uint32_t timeout_ms);
+  void wait(ConnId conn, uint64_t tag, const std::vector<std::string_view>& keys,
+            uint32_t timeout_ms, WaitKind kind = WaitKind::Wait);
+  void queue_pop(ConnId conn, uint64_t tag, std::string_view queue, uint32_t timeout_ms);
+  void barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t world_size,
+               uint32_t timeout_ms);
+  void watch(ConnId conn, uint64_t tag, std::string_view key, bool is_prefix,
+             uint64_t after_revision, uint32_t timeout_ms);
+
+  // ---- deadlines and completions ----
+  uint64_t next_deadline() const noexcept;
+  void expire(uint64_t now_ms);
+  // Moves the ready completions into *out (cleared first); false when there were none.
+  bool take_ready(std::vector<Completion>* out);
+
+  // ---- stats ----
+  uint64_t revision() const noexcept { return revision_; }
+  std::size_t waiter_count() const noexcept { return waiters_.size(); }
+  std::size_t queue_count() const noexcept { return queues_.size(); }
+  std::size_t history_size() const noexcept { return history_.size(); }
+
+ private:
+  using WaitList = std::list<WaiterId>;
+  enum class Index : uint8_t { Key, Pop, Barrier, WatchKey, WatchPrefix };
+  struct Waiter {
+    ConnId conn = 0;
+    uint64_t tag = 0;
+    WaitKind kind = WaitKind::Get;
+    Index index = Index::Key;
+    uint64_t deadline = kNoDeadline;
+    std::vector<std::string> keys;  // the key(s), queue, barrier or watched key/prefix
+    std::size_t cursor = 0;         // WAIT/MULTI_GET: the missing key it is linked under
+    uint64_t after = 0;             // WATCH
+    WaitList::iterator pos;
+    bool linked = false;  // in an index list (advance() unlinks before relinking or finishing)
+  };
+  struct Barrier {
+    uint64_t generation = 0;
+    uint32_t world_size = 0;
+    WaitList arrived;
+  };
+  struct Session {
+    std::unordered_set<WaiterId> waiters;
+    std::unordered_set<std::string> owned;
+  };
+
+  uint64_t deadline_for(uint32_t timeout_ms) const;
+  WaiterId park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeout_ms,
+                std::vector<std::string> keys);
+  void link(WaiterId id, Waiter& w, Index index, const std::string& name);
+  void unlink(WaiterId id, Waiter& w);
+  void finish(WaiterId id, Completion c);  // completes and destroys the waiter
+  void drop(WaiterId id);                  // destroys the waiter without a reply
+  void timeout_waiter(WaiterId id);
+  Completion make(ConnId conn, uint64_t tag, WaitKind kind, Status status) const;
+  bool advance(WaiterId id, Waiter& w);  // WAIT/MULTI_GET: relink under a missing key or finish
+
+  void bind(Entry& e, std::string_view key, ConnId conn, bool ephemeral);
+  uint64_t record(EventKind kind, std::string_view key, std::string_view value);
+  void key_created(const std::string& key);
+  void notify_watchers(const HistoryEvent& ev);
+  Entry& upsert(std::string_view key, bool* created);
+  const HistoryEvent* first_match(const std::string& key, bool prefix, uint64_t after) const;
+
+  Clock clock_;
+  uint64_t revision_ = 0;
+  std::unordered_map<std::string, Entry> keys_;
+  std::deque<HistoryEvent> history_;
+  std::size_t history_bytes_ = 0;
+  uint64_t compacted_through_ = 0;  // revision of the newest event dropped from history
+  std::unordered_map<std::string, std::deque<std::string>> queues_;
+  std::unordered_map<std::string, Barrier> barriers_;
+  std::unordered_map<ConnId, Session> sessions_;
+
+  std::unordered_map<WaiterId, Waiter> waiters_;
+  WaiterId next_waiter_ = 1;
+  std::unordered_map<std::string, WaitList> key_waiters_;
+  std::unordered_map<std::string, WaitList> pop_waiters_;
+  std::unordered_map<std::string, WaitList> watch_keys_;
+  // Watched prefixes, plus how many prefixes of each length exist: a change probes only the
+  // lengths in use instead of scanning watchers.
+  std::map<std::string, WaitList, std::less<>> watch_prefixes_;
+  std::map<std::size_t, std::size_t> prefix_lengths_;
+  std::set<std::pair<uint64_t, WaiterId>> deadlines_;
+  std::vector<Completion> ready_;
+};
+
+}  // namespace elasticstore

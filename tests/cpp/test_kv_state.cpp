@@ -1,0 +1,315 @@
+// KvState semantics, driven directly with a fake clock: no sockets.
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+#include "kv_state.hpp"
+
+using namespace elasticstore;
+
+namespace {
+uint64_t g_now = 1000;
+uint64_t fake_clock() { return g_now; }
+
+struct Fixture {
+  KvState kv{&fake_clock};
+  std::vector<Completion> done;
+  Fixture() {
+    kv.open_session(1);
+    kv.open_session(2);
+  }
+  std::vector<Completion>& ready() {
+    kv.take_ready(&done);
+    return done;
+  }
+};
+using SV = std::vector<std::string_view>;
+}  // namespace
+
+TEST(set_get_and_revisions) {
+  Fixture f;
+  CHECK_EQ(f.kv.set(1, "a", "1", false), 1ull);
+  CHECK_EQ(f.kv.set(1, "b", "2", false), 2ull);
+  CHECK_EQ(f.kv.set(1, "a", "3", false), 3ull);
+  CHECK_EQ(f.kv.find("a")->value, std::string("3"));
+  CHECK_EQ(f.kv.find("a")->mod_revision, 3ull);
+  CHECK(f.kv.find("zz") == nullptr);
+  CHECK_EQ(f.kv.num_keys(), std::size_t{2});
+  CHECK(f.kv.erase("a"));
+  CHECK(!f.kv.erase("a"));
+  CHECK_EQ(f.kv.revision(), 4ull);
+  f.kv.get(1, 9, "b", 0);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{1});
+  CHECK(r[0].status == Status::Ok);
+  CHECK_EQ(r[0].tag, 9ull);
+  CHECK_EQ(r[0].values.at(0), std::string("2"));
+  CHECK_EQ(r[0].revision, 2ull);
+  f.kv.get(1, 10, "nope", 0);
+  CHECK(f.ready().at(0).status == Status::Timeout);
+}
+
+TEST(add_semantics) {
+  Fixture f;
+  int64_t v = 0;
+  CHECK(f.kv.add("n", 5, &v) == Status::Ok);
+  CHECK_EQ(v, int64_t{5});
+  CHECK(f.kv.add("n", -8, &v) == Status::Ok);
+  CHECK_EQ(v, int64_t{-3});
+  CHECK_EQ(f.kv.find("n")->value, std::string("-3"));
+  f.kv.set(1, "s", "abc", false);
+  CHECK(f.kv.add("s", 1, &v) == Status::WrongType);
+  f.kv.set(1, "s", "", false);
+  CHECK(f.kv.add("s", 1, &v) == Status::WrongType);
+  f.kv.set(1, "s", "+1", false);
+  CHECK(f.kv.add("s", 1, &v) == Status::WrongType);
+  f.kv.set(1, "s", "99999999999999999999", false);
+  CHECK(f.kv.add("s", 1, &v) == Status::WrongType);  // parse overflow
+  f.kv.set(1, "m", "9223372036854775807", false);
+  CHECK(f.kv.add("m", 1, &v) == Status::WrongType);  // sum overflow
+  CHECK_EQ(f.kv.find("m")->value, std::string("9223372036854775807"));
+}
+
+TEST(compare_set_semantics) {
+  Fixture f;
+  CasResult r = f.kv.compare_set(1, "k", "", "one", false);
+  CHECK(r.swapped && r.exists);
+  CHECK_EQ(r.current, std::string("one"));
+  r = f.kv.compare_set(1, "k", "zzz", "two", false);
+  CHECK(!r.swapped && r.exists);
+  CHECK_EQ(r.current, std::string("one"));
+  r = f.kv.compare_set(1, "k", "one", "two", false);
+  CHECK(r.swapped);
+  CHECK_EQ(r.current, std::string("two"));
+  r = f.kv.compare_set(1, "missing", "x", "y", false);
+  CHECK(!r.swapped && !r.exists);
+  CHECK(r.current.empty());
+  CHECK(f.kv.find("missing") == nullptr);
+}
+
+TEST(append_and_limits) {
+  Fixture f;
+  uint64_t rev = 0;
+  CHECK(f.kv.append("a", "x", &rev) == Status::Ok);
+  CHECK(f.kv.append("a", "y", &rev) == Status::Ok);
+  CHECK_EQ(f.kv.find("a")->value, std::string("xy"));
+  CHECK_EQ(rev, 2ull);
+  const std::string big(kMaxValueBytes, 'b');
+  CHECK(f.kv.append("a", big, &rev) == Status::TooLarge);
+}
+
+TEST(waiters_woken_by_set_add_cas_append) {
+  Fixture f;
+  f.kv.get(2, 1, "a", kNoTimeout);
+  f.kv.get(2, 2, "b", kNoTimeout);
+  f.kv.get(2, 3, "c", kNoTimeout);
+  f.kv.get(2, 4, "d", kNoTimeout);
+  CHECK(f.ready().empty());
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{4});
+  f.kv.set(1, "a", "A", false);
+  int64_t v;
+  f.kv.add("b", 2, &v);
+  f.kv.compare_set(1, "c", "", "C", false);
+  uint64_t rev;
+  f.kv.append("d", "D", &rev);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{4});
+  for (std::size_t i = 0; i < r.size(); ++i) CHECK_EQ(r[i].tag, uint64_t{i + 1});
+  CHECK_EQ(r[1].values.at(0), std::string("2"));
+  CHECK_EQ(r[2].values.at(0), std::string("C"));
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
+}
+
+TEST(multi_key_wait_only_when_all_exist) {
+  Fixture f;
+  f.kv.wait(2, 7, SV{"x", "y", "z"}, kNoTimeout);
+  f.kv.wait(2, 8, SV{"x", "y"}, kNoTimeout, WaitKind::MultiGet);
+  f.kv.set(1, "y", "Y", false);
+  CHECK(f.ready().empty());
+  f.kv.set(1, "x", "X", false);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{1});
+  CHECK_EQ(r.at(0).tag, 8ull);
+  CHECK_EQ(r.at(0).values.size(), std::size_t{2});
+  CHECK_EQ(r.at(0).values.at(0), std::string("X"));
+  f.kv.erase("x");  // deleted meanwhile: must not count as present
+  f.kv.set(1, "z", "Z", false);
+  CHECK(f.ready().empty());
+  f.kv.set(1, "x", "X2", false);
+  CHECK_EQ(f.ready().size(), std::size_t{1});
+}
+
+TEST(wait_timeout_reports_missing_keys) {
+  Fixture f;
+  f.kv.set(1, "have", "1", false);
+  f.kv.wait(2, 3, SV{"have", "m1", "m2"}, 50);
+  CHECK_EQ(f.kv.next_deadline(), g_now + 50);
+  f.kv.expire(g_now + 49);
+  CHECK(f.ready().empty());
+  f.kv.expire(g_now + 50);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{1});
+  CHECK(r[0].status == Status::Timeout);
+  CHECK_EQ(r[0].values.size(), std::size_t{2});
+  CHECK_EQ(r[0].values.at(1), std::string("m2"));
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
+  CHECK_EQ(f.kv.next_deadline(), kNoDeadline);
+}
+
+TEST(history_and_watch) {
+  Fixture f;
+  f.kv.set(1, "p/a", "1", false);  // rev 1
+  f.kv.set(1, "q", "2", false);    // rev 2
+  f.kv.set(1, "p/b", "3", false);  // rev 3
+  f.kv.watch(1, 1, "p/", true, 1, 0);
+  auto& r = f.ready();
+  CHECK(r.at(0).status == Status::Ok);
+  CHECK_EQ(r.at(0).key, std::string("p/b"));
+  CHECK_EQ(r.at(0).revision, 3ull);
+  f.kv.watch(1, 2, "q", false, 0, 0);
+  CHECK_EQ(f.ready().at(0).revision, 2ull);
+  f.kv.watch(1, 3, "q", false, 2, 0);
+  CHECK(f.ready().at(0).status == Status::Timeout);
+  // Live: a prefix watcher and an exact watcher; unrelated keys do not wake them.
+  f.kv.watch(2, 4, "p/", true, kWatchFromNow, kNoTimeout);
+  f.kv.watch(2, 5, "q", false, kWatchFromNow, kNoTimeout);
+  f.kv.watch(2, 6, "p/zz", true, kWatchFromNow, kNoTimeout);
+  f.kv.set(1, "p", "no", false);
+  f.kv.set(1, "other", "no", false);
+  CHECK(f.ready().empty());
+  f.kv.erase("p/a");
+  auto& r2 = f.ready();
+  CHECK_EQ(r2.size(), std::size_t{1});
+  CHECK_EQ(r2.at(0).tag, 4ull);
+  CHECK(r2.at(0).event == EventKind::Delete);
+  f.kv.set(1, "q", "v", false);
+  CHECK_EQ(f.ready().at(0).tag, 5ull);
+  f.kv.set(1, "p/zz/deep", "v", false);
+  CHECK_EQ(f.ready().at(0).tag, 6ull);
+}
+
+TEST(history_compaction) {
+  Fixture f;
+  for (std::size_t i = 0; i < kWatchHistoryEvents + 10; ++i) f.kv.set(1, "k", "v", false);
+  CHECK_EQ(f.kv.history_size(), kWatchHistoryEvents);
+  f.kv.watch(1, 1, "k", false, 5, 0);
+  auto& r = f.ready();
+  CHECK(r.at(0).status == Status::Compacted);
+  CHECK_EQ(r.at(0).revision, 11ull);  // oldest held
+  f.kv.watch(1, 2, "k", false, 10, 0);
+  CHECK(f.ready().at(0).status == Status::Ok);
+}
+
+TEST(history_bounded_by_bytes) {
+  Fixture f;
+  const std::string big(kMaxValueBytes, 'v');
+  for (int i = 0; i < 10; ++i) f.kv.set(1, "k", big, false);
+  CHECK(f.kv.history_size() < 10u);
+  CHECK(f.kv.history_size() >= 1u);
+}
+
+TEST(ephemeral_keys_removed_on_session_close) {
+  Fixture f;
+  f.kv.set(1, "eph", "1", true);
+  f.kv.set(1, "unbound", "1", true);
+  f.kv.set(2, "unbound", "2", false);  // a later plain set unbinds
+  f.kv.compare_set(1, "cas", "", "x", true);
+  f.kv.set(1, "plain", "1", false);
+  f.kv.watch(2, 1, "", true, kWatchFromNow, kNoTimeout);
+  f.kv.get(1, 2, "never", kNoTimeout);  // the closing session's own waiter is dropped silently
+  const uint64_t before = f.kv.revision();
+  f.kv.close_session(1);
+  CHECK(f.kv.find("eph") == nullptr);
+  CHECK(f.kv.find("cas") == nullptr);
+  CHECK(f.kv.find("unbound") != nullptr);
+  CHECK(f.kv.find("plain") != nullptr);
+  CHECK_EQ(f.kv.revision(), before + 2);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{1});
+  CHECK_EQ(r.at(0).conn, 2ull);
+  CHECK(r.at(0).event == EventKind::Delete);
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
+}
+
+TEST(barrier_generations_and_withdrawal) {
+  Fixture f;
+  f.kv.open_session(3);
+  f.kv.barrier(1, 1, "b", 3, kNoTimeout);
+  f.kv.barrier(2, 2, "b", 2, kNoTimeout);  // world size mismatch
+  auto& e = f.ready();
+  CHECK_EQ(e.size(), std::size_t{1});
+  CHECK(e.at(0).status == Status::Error);
+  f.kv.barrier(2, 3, "b", 3, 100);
+  CHECK(f.ready().empty());
+  f.kv.expire(g_now + 100);  // participant 2 times out and is withdrawn
+  auto& t = f.ready();
+  CHECK(t.at(0).status == Status::Timeout);
+  CHECK_EQ(t.at(0).arrived, 2u);
+  CHECK_EQ(t.at(0).world_size, 3u);
+  f.kv.barrier(2, 4, "b", 3, kNoTimeout);
+  f.kv.close_session(2);  // disconnect withdraws too
+  f.kv.open_session(2);
+  f.kv.barrier(2, 5, "b", 3, kNoTimeout);
+  CHECK(f.ready().empty());
+  f.kv.barrier(3, 6, "b", 3, kNoTimeout);
+  auto& g0 = f.ready();
+  CHECK_EQ(g0.size(), std::size_t{3});
+  for (auto& c : g0) {
+    CHECK(c.status == Status::Ok);
+    CHECK_EQ(c.revision, 0ull);
+  }
+  // The next generation may use another world size.
+  f.kv.barrier(1, 7, "b", 1, kNoTimeout);
+  auto& g1 = f.ready();
+  CHECK_EQ(g1.at(0).revision, 1ull);
+  f.kv.barrier(1, 8, "b", 0, kNoTimeout);
+  CHECK(f.ready().at(0).status == Status::Error);
+}
+
+TEST(queue_order_and_blocked_pops) {
+  Fixture f;
+  CHECK_EQ(f.kv.queue_push("q", "1"), int64_t{1});
+  CHECK_EQ(f.kv.queue_push("q", "2"), int64_t{2});
+  CHECK_EQ(f.kv.queue_len("q"), int64_t{2});
+  f.kv.queue_pop(1, 1, "q", 0);
+  CHECK_EQ(f.ready().at(0).values.at(0), std::string("1"));
+  f.kv.queue_pop(1, 2, "q", 0);
+  CHECK_EQ(f.ready().at(0).values.at(0), std::string("2"));
+  CHECK_EQ(f.kv.queue_count(), std::size_t{0});
+  f.kv.queue_pop(1, 3, "q", 0);
+  CHECK(f.ready().at(0).status == Status::Timeout);
+  f.kv.queue_pop(1, 4, "q", kNoTimeout);
+  f.kv.queue_pop(2, 5, "q", kNoTimeout);
+  CHECK(f.kv.find("q") == nullptr);  // queues are not keys
+  CHECK_EQ(f.kv.queue_push("q", "a"), int64_t{0});
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{1});
+  CHECK_EQ(r.at(0).tag, 4ull);  // oldest blocked pop first
+  f.kv.queue_push("q", "b");
+  CHECK_EQ(f.ready().at(0).tag, 5ull);
+}
+
+TEST(list_keys_sorted_by_prefix) {
+  Fixture f;
+  for (const char* k : {"b/2", "a/1", "b/1", "c", "b"}) f.kv.set(1, k, "v", false);
+  const auto keys = f.kv.list_keys("b/");
+  CHECK_EQ(keys.size(), std::size_t{2});
+  CHECK_EQ(keys.at(0), std::string("b/1"));
+  CHECK_EQ(keys.at(1), std::string("b/2"));
+  CHECK_EQ(f.kv.list_keys("").size(), std::size_t{5});
+}
+
+TEST(cancel_waiters_drops_silently) {
+  Fixture f;
+  f.kv.get(1, 1, "x", kNoTimeout);
+  f.kv.queue_pop(1, 2, "q", 100);
+  f.kv.watch(1, 3, "p", true, kWatchFromNow, kNoTimeout);
+  f.kv.cancel_waiters(1);
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
+  CHECK_EQ(f.kv.next_deadline(), kNoDeadline);
+  f.kv.set(1, "x", "1", false);
+  f.kv.set(1, "p1", "1", false);
+  f.kv.queue_push("q", "v");
+  CHECK(f.ready().empty());
+  CHECK_EQ(f.kv.queue_len("q"), int64_t{1});
+}
