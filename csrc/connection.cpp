@@ -87,6 +87,7 @@ std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size
     }
     used += consumed;
     progressed_ = true;
+    host.count_request();
     if (state_ == ConnState::Handshaking && codec_->handshake_done()) set_state(ConnState::Serving);
     host.drain_ready();  // this connection's own completions land in out_ in request order
     if (out_.size() > kMaxWriteBufferBytes) fail("write buffer over kMaxWriteBufferBytes", false);

@@ -29,6 +29,8 @@ class ConnectionHost : public StatsSource {
   virtual KvState& kv() noexcept = 0;
   // Encodes the completions queued by the last command into their connections' write buffers.
   virtual void drain_ready() = 0;
+  // Counts one request handled (any codec), for the `requests` statistic.
+  virtual void count_request() noexcept = 0;
 };
 
 class Connection {

@@ -36,7 +36,7 @@ constexpr const char* kStatNames[] = {
     "connections",      "keys",           "waiters",
     "revision",         "queues",         "history_events",
     "bytes_buffered",   "connections_accepted", "connections_refused",
-    "connections_closed_bad_input",
+    "connections_closed_bad_input", "requests",
 };
 constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
@@ -198,6 +198,8 @@ class Server::Impl final : public ConnectionHost {
     draining_ = false;
   }
 
+  void count_request() noexcept override { ++requests_; }
+
   const std::string& host() const noexcept { return host_; }
   uint16_t port() const noexcept { return port_; }
   bool running() const noexcept { return running_.load(); }
@@ -217,7 +219,7 @@ class Server::Impl final : public ConnectionHost {
   std::array<uint64_t, kNumStats> collect() const {
     return {conns_.size() - closing_.size(), kv_.num_keys(),   kv_.waiter_count(), kv_.revision(),
             kv_.queue_count(),    kv_.history_size(), bytes_buffered_, accepted_,
-            refused_,             closed_bad_input_};
+            refused_,             closed_bad_input_, requests_};
   }
   void publish() noexcept {
     const auto v = collect();
@@ -423,7 +425,7 @@ class Server::Impl final : public ConnectionHost {
   ConnId next_id_ = 1;
   EventLoop::TimerId waiter_timer_ = 0;
   uint64_t waiter_deadline_ = kNoDeadline;
-  uint64_t bytes_buffered_ = 0, accepted_ = 0, refused_ = 0, closed_bad_input_ = 0;
+  uint64_t bytes_buffered_ = 0, accepted_ = 0, refused_ = 0, closed_bad_input_ = 0, requests_ = 0;
   std::array<std::atomic<uint64_t>, kNumStats> published_{};
 
   std::mutex mu_;  // start/stop from any thread
