@@ -314,6 +314,7 @@ void encode_completion(const Completion& c, std::string& out) {
       }
       break;
     case WaitKind::Wait:
+    case WaitKind::WaitOrQueue:
       if (!ok) w.keys(c.values);
       break;
     case WaitKind::MultiGet:
@@ -384,7 +385,10 @@ class NativeCodec final : public Codec {
     return Step::Handled;
   }
 
-  void complete(const Completion& c, std::string& out) override { encode_completion(c, out); }
+  bool complete(const Completion& c, std::string& out, std::string*) override {
+    encode_completion(c, out);
+    return true;
+  }
 
  private:
   bool greeted_ = false;

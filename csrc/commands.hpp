@@ -39,13 +39,16 @@ class Codec {
   // Handled: *consumed bytes are done. Close: *reason says why (logged, then the connection closes).
   virtual Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
                     std::string* reason) = 0;
-  // Encodes a finished blocking request for this codec's peer.
-  virtual void complete(const Completion& c, std::string& out) = 0;
+  // Encodes a finished blocking request for this codec's peer. False: the completion cannot be
+  // expressed in this protocol; *reason says why and the connection closes.
+  virtual bool complete(const Completion& c, std::string& out, std::string* reason) = 0;
   // True once the codec's handshake is done (native: HELLO answered).
   virtual bool handshake_done() const noexcept = 0;
 };
 
 // The native codec; expects the preamble to have been consumed already.
 std::unique_ptr<Codec> make_native_codec();
+// torch's TCPStore protocol (tcpstore_codec.cpp); starts at the client's VALIDATE request.
+std::unique_ptr<Codec> make_tcpstore_codec();
 
 }  // namespace elasticstore

@@ -45,8 +45,9 @@ void Connection::fail(std::string reason, bool bad_input) {
 // Returns the bytes the preamble used (0 while more are needed, or when it failed).
 std::size_t Connection::sniff(const char* data, std::size_t size) {
   const auto first = static_cast<uint8_t>(data[0]);
-  if (first == kTorchValidateByte) {
-    fail("torch TCPStore protocol not supported yet", true);
+  if (first == kTorchValidateByte) {  // the codec parses VALIDATE itself: nothing consumed
+    codec_ = make_tcpstore_codec();
+    set_state(ConnState::Handshaking);
     return 0;
   }
   if (first != static_cast<uint8_t>(kNativePreamble[0])) {
@@ -72,7 +73,7 @@ std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size
   while (used < size && state_ != ConnState::Closing) {
     if (state_ == ConnState::AwaitingPreamble) {
       const std::size_t n = sniff(data + used, size - used);
-      if (n == 0) break;
+      if (state_ == ConnState::AwaitingPreamble || state_ == ConnState::Closing) break;
       used += n;
       continue;
     }
@@ -145,7 +146,11 @@ bool Connection::flush() {
 
 bool Connection::deliver(const Completion& c) {
   if (state_ == ConnState::Closing || !codec_) return true;
-  codec_->complete(c, out_.tail());
+  std::string reason;
+  if (!codec_->complete(c, out_.tail(), &reason)) {
+    fail(std::move(reason), false);
+    return false;
+  }
   if (out_.size() <= kMaxWriteBufferBytes) return true;
   fail("write buffer over kMaxWriteBufferBytes", false);
   return false;

@@ -102,10 +102,35 @@ CasResult KvState::compare_set(ConnId conn, std::string_view key, std::string_vi
   return r;
 }
 
-bool KvState::check(const std::vector<std::string_view>& keys) const {
+bool KvState::check(const std::vector<std::string_view>& keys, bool queues_count) const {
+  const WaitKind kind = queues_count ? WaitKind::WaitOrQueue : WaitKind::Wait;
   for (auto k : keys)
-    if (!find(k)) return false;
+    if (!present(k, kind)) return false;
   return true;
+}
+
+bool KvState::present(std::string_view key, WaitKind kind) const {
+  if (find(key)) return true;
+  return kind == WaitKind::WaitOrQueue && queue_len(key) > 0;
+}
+
+bool KvState::queue_try_pop(std::string_view queue, std::string* out) {
+  auto it = queues_.find(std::string(queue));
+  if (it == queues_.end() || it->second.empty()) return false;
+  *out = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) queues_.erase(it);
+  return true;
+}
+
+void KvState::queue_filled(const std::string& queue) {
+  auto it = key_waiters_.find(queue);
+  if (it == key_waiters_.end()) return;
+  const std::vector<WaiterId> ids(it->second.begin(), it->second.end());
+  for (WaiterId id : ids) {
+    Waiter& w = waiters_.at(id);
+    if (w.kind == WaitKind::WaitOrQueue) advance(id, w);
+  }
 }
 
 bool KvState::erase(std::string_view key) {
@@ -152,9 +177,12 @@ int64_t KvState::queue_push(std::string_view queue, std::string_view value) {
     finish(oldest, std::move(c));
     return queue_len(queue);
   }
-  auto& q = queues_[std::string(queue)];
+  const std::string name(queue);
+  auto& q = queues_[name];
   q.emplace_back(value);
-  return static_cast<int64_t>(q.size());
+  const auto len = static_cast<int64_t>(q.size());
+  if (len == 1) queue_filled(name);
+  return len;
 }
 
 int64_t KvState::queue_len(std::string_view queue) const {
@@ -224,7 +252,7 @@ bool KvState::advance(WaiterId id, Waiter& w) {
   const std::size_t n = w.keys.size();
   for (std::size_t step = 1; step <= n; ++step) {
     const std::size_t i = (w.cursor + step) % n;  // the wrap re-checks keys deleted meanwhile
-    if (!find(w.keys[i])) {
+    if (!present(w.keys[i], w.kind)) {
       w.cursor = i;
       link(id, w, Index::Key, w.keys[i]);
       return false;
@@ -328,8 +356,9 @@ void KvState::timeout_waiter(WaiterId id) {
   switch (w.kind) {
     case WaitKind::Wait:
     case WaitKind::MultiGet:
+    case WaitKind::WaitOrQueue:
       for (const auto& k : w.keys)
-        if (!find(k)) c.values.push_back(k);
+        if (!present(k, w.kind)) c.values.push_back(k);
       break;
     case WaitKind::Barrier: {
       const Barrier& b = barriers_.at(w.keys[0]);
@@ -380,7 +409,7 @@ void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view
                    uint32_t timeout_ms, WaitKind kind) {
   std::size_t missing = keys.size();
   for (std::size_t i = 0; i < keys.size(); ++i)
-    if (!find(keys[i]) && missing == keys.size()) missing = i;
+    if (!present(keys[i], kind) && missing == keys.size()) missing = i;
   if (missing == keys.size()) {
     Completion c = make(conn, tag, kind, Status::Ok);
     if (kind == WaitKind::MultiGet)
@@ -389,7 +418,7 @@ void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view
   } else if (timeout_ms == 0) {
     Completion c = make(conn, tag, kind, Status::Timeout);
     for (auto k : keys)
-      if (!find(k)) c.values.emplace_back(k);
+      if (!present(k, kind)) c.values.emplace_back(k);
     ready_.push_back(std::move(c));
   } else {
     const WaiterId id =
@@ -401,12 +430,10 @@ void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view
 }
 
 void KvState::queue_pop(ConnId conn, uint64_t tag, std::string_view queue, uint32_t timeout_ms) {
-  auto it = queues_.find(std::string(queue));
-  if (it != queues_.end() && !it->second.empty()) {
+  std::string item;
+  if (queue_try_pop(queue, &item)) {
     Completion c = make(conn, tag, WaitKind::QueuePop, Status::Ok);
-    c.values.push_back(std::move(it->second.front()));
-    it->second.pop_front();
-    if (it->second.empty()) queues_.erase(it);
+    c.values.push_back(std::move(item));
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     ready_.push_back(make(conn, tag, WaitKind::QueuePop, Status::Timeout));

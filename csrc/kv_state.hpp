@@ -29,7 +29,9 @@ inline constexpr uint64_t kNoDeadline = ~uint64_t{0};
 // Bookkeeping charged to each history event besides its key and value bytes.
 inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
 
-enum class WaitKind : uint8_t { Get, Wait, MultiGet, QueuePop, Barrier, Watch };
+// WaitOrQueue is torch's WAIT: a key also counts as present while a queue of that name holds
+// items (torch's client sends WAIT on the queue before a blocking QUEUE_POP).
+enum class WaitKind : uint8_t { Get, Wait, MultiGet, QueuePop, Barrier, Watch, WaitOrQueue };
 
 // A finished blocking request in codec-neutral form.
 struct Completion {
@@ -84,13 +86,15 @@ class KvState {
   Status add(std::string_view key, int64_t delta, int64_t* out);
   CasResult compare_set(ConnId conn, std::string_view key, std::string_view expected,
                         std::string_view desired, bool ephemeral);
-  bool check(const std::vector<std::string_view>& keys) const;
+  bool check(const std::vector<std::string_view>& keys, bool queues_count = false) const;
   bool erase(std::string_view key);
   std::size_t num_keys() const noexcept { return keys_.size(); }
   std::vector<std::string> list_keys(std::string_view prefix) const;
   Status append(std::string_view key, std::string_view value, uint64_t* revision);
   int64_t queue_push(std::string_view queue, std::string_view value);
   int64_t queue_len(std::string_view queue) const;
+  // Pops the oldest item into *out; false when the queue is empty. Never blocks.
+  bool queue_try_pop(std::string_view queue, std::string* out);
 
   // ---- blocking operations: the answer is a Completion on the ready list, at once or later ----
   void get(ConnId conn, uint64_t tag, std::string_view key, uint32_t timeout_ms);
@@ -148,7 +152,9 @@ class KvState {
   void drop(WaiterId id);                  // destroys the waiter without a reply
   void timeout_waiter(WaiterId id);
   Completion make(ConnId conn, uint64_t tag, WaitKind kind, Status status) const;
-  bool advance(WaiterId id, Waiter& w);  // WAIT/MULTI_GET: relink under a missing key or finish
+  bool advance(WaiterId id, Waiter& w);
+  bool present(std::string_view key, WaitKind kind) const;
+  void queue_filled(const std::string& queue);  // re-checks WaitOrQueue waiters on that name  // WAIT/MULTI_GET: relink under a missing key or finish
 
   void bind(Entry& e, std::string_view key, ConnId conn, bool ephemeral);
   uint64_t record(EventKind kind, std::string_view key, std::string_view value);

@@ -88,6 +88,15 @@ class Sock {
     }
     return eof_;
   }
+  // Reads exactly n raw bytes (torch's protocol has no frames); empty when the deadline passes.
+  std::string read_bytes(std::size_t n, int timeout_ms = kWaitMs) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (buf_.size() < n)
+      if (!fill(deadline)) return {};
+    std::string out = buf_.substr(0, n);
+    buf_.erase(0, n);
+    return out;
+  }
   bool readable_within(int ms) {
     pollfd p{fd_, POLLIN, 0};
     return ::poll(&p, 1, ms) > 0;
@@ -414,8 +423,61 @@ TEST(bad_input_garbage_first_byte) {
 TEST(bad_input_wrong_preamble) {
   expect_bad_input_closes("preamble", [](Sock& s) { s.send("ESTX"); });
 }
-TEST(bad_input_torch_validate_not_yet) {
-  expect_bad_input_closes("torch", [](Sock& s) { s.send(std::string("\x00\xce\xf7\x85\x3c", 5)); });
+// ---- torch's TCPStore protocol on the same port ----
+const std::string kTorchValidate("\x00\xce\xf7\x85\x3c", 5);
+std::string le64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+std::string tstr(std::string_view s) { return le64(s.size()) + std::string(s); }
+std::string top(uint8_t op) { return std::string(1, static_cast<char>(op)); }
+
+TEST(torch_protocol_shares_the_key_space) {
+  Server srv(quiet_config());
+  srv.start();
+  Sock t(srv.port());
+  CHECK(t.send(kTorchValidate + top(13) + std::string("\x34\x12\x00\x00", 4)));
+  CHECK_EQ(t.read_bytes(4), std::string("\x34\x12\x00\x00", 4));  // PING echo
+  CHECK(t.send(top(1) + tstr("/k") + tstr("v")));                     // SET "/k": no reply
+  auto native = greeted(srv.port());
+  CHECK(native->send(frame(Op::TryGet, 7, [](Writer& w) { w.bytes("k"); })));
+  const Reply r = native->recv();
+  CHECK(r.ok && r.status == 0);
+  Reader rr = r.reader();
+  CHECK_EQ(rr.u8(), uint8_t{1});
+  CHECK_EQ(std::string(rr.bytes(10)), std::string("v"));
+  CHECK(t.send(top(3) + tstr("/k")));  // GET
+  CHECK_EQ(t.read_bytes(9), le64(1) + "v");
+  CHECK(t.send(top(17)));  // LIST_KEYS: the client's "/" comes back
+  CHECK_EQ(t.read_bytes(8 + 8 + 2), le64(1) + tstr("/k"));
+}
+
+TEST(torch_wait_is_deferred_and_cancellable) {
+  Server srv(quiet_config());
+  srv.start();
+  Sock t(srv.port());
+  CHECK(t.send(kTorchValidate + top(6) + le64(1) + tstr("/w")));  // WAIT ["/w"]
+  CHECK(!t.readable_within(100));
+  CHECK(t.send(top(12)));  // CANCEL_WAIT
+  CHECK_EQ(t.read_bytes(1), std::string(1, '\x01'));
+  CHECK(t.send(top(6) + le64(1) + tstr("/q")));  // WAIT on a queue's name
+  auto native = greeted(srv.port());
+  CHECK(native->send(frame(Op::QueuePush, 2, [](Writer& w) { w.bytes("q"); w.bytes("item"); })));
+  CHECK_EQ(t.read_bytes(1), std::string(1, '\x00'));  // a non-empty queue satisfies torch's WAIT
+  CHECK(t.send(top(15) + tstr("/q")));                  // QUEUE_POP: length before, then the item
+  CHECK_EQ(t.read_bytes(8 + 8 + 4), le64(1) + tstr("item"));
+}
+
+TEST(bad_input_torch_wrong_magic) {
+  expect_bad_input_closes("torch magic", [](Sock& s) { s.send(std::string("\x00\xde\xad\xbe\xef", 5)); });
+}
+TEST(bad_input_torch_unknown_opcode) {
+  expect_bad_input_closes("torch opcode", [](Sock& s) { s.send(kTorchValidate + top(99)); });
+}
+TEST(bad_input_torch_add_on_text) {
+  expect_bad_input_closes("torch add", [](Sock& s) {
+    s.send(kTorchValidate + top(1) + tstr("/t") + tstr("text") + top(4) + tstr("/t") + le64(1));
+  });
+}
+TEST(bad_input_torch_huge_key) {
+  expect_bad_input_closes("torch key", [](Sock& s) { s.send(kTorchValidate + top(3) + le64(1ull << 40)); });
 }
 TEST(bad_input_huge_declared_length) {
   expect_bad_input_closes("huge", [](Sock& s) {
