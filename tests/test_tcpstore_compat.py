@@ -1,0 +1,206 @@
+"""torch's own TCPStore client on the elasticstore server: env:// scripts, torchrun's c10d
+rendezvous, and clients that misbehave. (The conformance suite runs torch's client against our
+server as one of its store kinds.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import elasticstore
+from procs import kill_all, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "tcpstore_job.py")
+JOB_TIMEOUT_S = 180.0
+VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+
+
+@pytest.fixture
+def cli_server() -> Iterator[tuple[str, int, subprocess.Popen[str]]]:
+    """``elasticstore server`` in its own process, as a job would run it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticstore.cli", "server", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the server prints it once it accepts connections
+        assert line.startswith("elasticstore server listening on "), line
+        host, port = line.rsplit(" ", 1)[1].strip().rsplit(":", 1)
+        yield host, int(port), proc
+    finally:
+        kill_all([proc])
+
+
+def _run_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results.append((proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        kill_all(procs)
+        pytest.fail(f"processes did not finish within {timeout}s")
+    finally:
+        kill_all(procs)
+    for code, out, err in results:
+        assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
+    return results
+
+
+def _job_lines(outputs: list[str]) -> list[dict[str, object]]:
+    lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
+    return sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])  # type: ignore[no-any-return]
+
+
+def _check_job(results: list[dict[str, object]], world: int) -> None:
+    assert [r["rank"] for r in results] == list(range(world))
+    assert all(r["sum"] == world * (world + 1) / 2 for r in results)
+    evens = [r + 1 for r in range(world) if r % 2 == 0]
+    assert all(r["even_sum"] == sum(evens) for r in results if r["even_sum"] is not None)
+
+
+def test_env_script_runs_unchanged_on_our_server(
+    cli_server: tuple[str, int, subprocess.Popen[str]],
+) -> None:
+    """Four workers with MASTER_ADDR/MASTER_PORT at our server, as torchrun launches them
+    (TORCHELASTIC_USE_AGENT_STORE tells torch the store is hosted elsewhere)."""
+    host, port, server = cli_server
+    world = 4
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT="0",
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    results = _job_lines([out for _, out, _ in _run_all(procs, JOB_TIMEOUT_S)])
+    _check_job(results, world)
+    assert server.poll() is None, "the server must outlive the job"
+    probe = elasticstore.Store(host, port, timeout=timedelta(seconds=10))
+    assert probe.num_keys() > 0  # the job's keys live on our server
+
+
+def test_torchrun_c10d_rendezvous_on_our_server(
+    cli_server: tuple[str, int, subprocess.Popen[str]],
+) -> None:
+    """torchrun's own c10d rendezvous: 2 agents (127.0.0.2, 127.0.0.3) x 2 workers."""
+    host, port, _ = cli_server
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    agents = []
+    for node in (2, 3):
+        cmd = torchrun + [
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}",
+            "--rdzv-id=compat-job",
+            "--rdzv-conf=is_host=false",
+            f"--local-addr=127.0.0.{node}",
+            "--max-restarts=0",
+            JOB,
+        ]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = _job_lines([out for _, out, _ in _run_all(agents, JOB_TIMEOUT_S)])
+    _check_job(results, 4)
+    probe = elasticstore.Store(host, port, timeout=timedelta(seconds=10))
+    assert any("compat-job" in key for key in probe.list_keys()), "the rendezvous ran on our server"
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        while True:
+            if sock.recv(65536) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"\x00" + struct.pack("<I", 0xDEADBEEF), "wrong magic"),
+        (VALIDATE + b"\x63", "unknown opcode 99"),
+        (VALIDATE + b"\x03" + struct.pack("<Q", 1 << 40), "key of 1099511627776 bytes"),
+        (VALIDATE + b"\x03" + struct.pack("<Q", 5) + b"/ha", None),  # half-sent, then closed
+    ],
+    ids=["wrong-magic", "unknown-opcode", "huge-key", "half-sent-frame"],
+)
+def test_misbehaving_torch_client_closes_only_itself(
+    payload: bytes, reason: str | None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with elasticstore.StoreServer() as server:
+        torch_client = dist.TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=10))
+        torch_client.set("before", "1")
+        bad = _connect(server.port)
+        bad.sendall(payload)
+        if reason is None:
+            bad.shutdown(socket.SHUT_WR)
+        assert _closed_by_server(bad)
+        bad.close()
+        # The well-behaved client on the same server is unaffected.
+        torch_client.set("after", "2")
+        assert torch_client.get("before") == b"1"
+        assert torch_client.check(["before", "after"])
+        wait_until(lambda: server.stats()["connections"] == 1, 10, "the bad connection to be reaped")
+        if reason is not None:
+            err = capfd.readouterr().err
+            assert "elasticstore: closing connection 127.0.0.1:" in err and reason in err, err
+
+
+def test_add_on_text_closes_with_a_logged_reason(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's protocol has no error reply for ADD; the server says why it closes."""
+    with elasticstore.StoreServer() as server:
+        native = elasticstore.Store(server.host, server.port, timeout=timedelta(seconds=10))
+        native.set("text", "not a number")
+        torch_client = dist.TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=5))
+        with pytest.raises(dist.DistError):
+            torch_client.add("text", 1)
+        assert native.get("text") == b"not a number"  # nothing lost
+        err = capfd.readouterr().err
+        assert 'ADD on key "text" whose value is not a decimal int64' in err, err
+
+
+def test_compare_set_creating_a_key_wakes_torch_waiters() -> None:
+    with elasticstore.StoreServer() as server:
+        waiter = dist.TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=10))
+        setter = dist.TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=10))
+        import threading
+
+        woke: list[float] = []
+        thread = threading.Thread(target=lambda: (waiter.wait(["created"]), woke.append(time.monotonic())))
+        thread.start()
+        wait_until(lambda: server.stats()["waiters"] == 1, 10, "the WAIT to be parked")
+        assert setter.compare_set("created", "", "v") == b"v"
+        thread.join(10)
+        assert woke, "compare_set creating the key did not wake the waiter"
