@@ -56,12 +56,15 @@ TEST(set_layout_matches_capture) {
 }
 
 TEST(compare_set_add_barrier) {
-  Request req;
-  CHECK(parse(op(Op::CompareSet) + str("/a") + str("1") + str("x"), &req) == Parse::Ready);
+  Request req;  // the parsed views point into the request bytes: keep those alive
+  const std::string cas = op(Op::CompareSet) + str("/a") + str("1") + str("x");
+  CHECK(parse(cas, &req) == Parse::Ready);
   CHECK(req.values.size() == 2 && req.values[0] == "1" && req.values[1] == "x");
-  CHECK(parse(op(Op::Add) + str("/n") + u64le(static_cast<uint64_t>(-3)), &req) == Parse::Ready);
+  const std::string add = op(Op::Add) + str("/n") + u64le(static_cast<uint64_t>(-3));
+  CHECK(parse(add, &req) == Parse::Ready);
   CHECK_EQ(req.number, int64_t{-3});
-  CHECK(parse(op(Op::Barrier) + str("/bk") + u64le(4), &req) == Parse::Ready);
+  const std::string barrier = op(Op::Barrier) + str("/bk") + u64le(4);
+  CHECK(parse(barrier, &req) == Parse::Ready);
   CHECK_EQ(req.number, int64_t{4});
 }
 
