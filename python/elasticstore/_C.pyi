@@ -61,7 +61,15 @@ class Server:
 class Client:
     """A blocking client on one TCP connection. Thread-safe: calls from several threads are
     serialized on the connection; use ``clone()`` for independent connections. The constructor
-    connects, retrying with backoff until ``connect_timeout``."""
+    connects, retrying with backoff until ``connect_timeout``.
+
+    When the connection breaks (network error, server restart, a call interrupted by a signal),
+    the next call reconnects first: a new session, so the ephemeral keys of the old one are gone.
+    A call that fails after its request was sent is not retried (it may have been applied).
+    A blocking call on the main thread runs Python signal handlers every 100 ms: Ctrl-C raises
+    ``KeyboardInterrupt`` at once (and closes the connection). Arguments refused before sending
+    (a key or value over its limit, mismatched ``multi_set`` lengths, ``world_size < 1``) raise
+    the store error."""
 
     def __init__(
         self,
@@ -78,7 +86,9 @@ class Client:
     @property
     def session_id(self) -> int: ...
     def clone(self) -> Client: ...
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Closes the connection for good; a call blocked on another thread raises the network
+        error, and so does every later call. Idempotent."""
     def set(self, key: _Key, value: _Value, ephemeral: bool = False) -> int:
         """Returns the revision of the change."""
     def get(self, key: _Key, timeout: float) -> bytes:

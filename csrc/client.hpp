@@ -1,0 +1,222 @@
+// A blocking client for the native protocol (docs/protocol.md) on one TCP connection.
+// C++17, no Python, no torch. Every wait is a poll() against a deadline on the monotonic clock.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "protocol.hpp"
+
+namespace elasticstore {
+
+// ---- errors -----------------------------------------------------------------------------------
+// Every error the client raises derives from StoreError. A plain StoreError is an ERROR,
+// WRONG_TYPE, TOO_LARGE or UNAUTHENTICATED reply, an argument refused before sending, or a
+// protocol violation by the server (ProtocolError, which also closes the connection).
+class StoreError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// The server answered TIMEOUT: the condition did not hold within the timeout.
+class TimeoutError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+// Connect failure, reset, EOF, or no reply within the client-side deadline. The connection is
+// closed; the next call reconnects (a new session).
+class NetworkError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+// The server broke the protocol (mismatched request id, malformed reply). The connection is closed.
+class ProtocolError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+// A WATCH whose changes were dropped from the server's history.
+class CompactedError : public StoreError {
+ public:
+  CompactedError(const std::string& what, uint64_t oldest_revision)
+      : StoreError(what), oldest_revision_(oldest_revision) {}
+  uint64_t oldest_revision() const { return oldest_revision_; }
+
+ private:
+  uint64_t oldest_revision_;
+};
+// ClientOptions::interrupt_check returned true while waiting. The connection is closed.
+class InterruptedError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
+
+// ---- options ----------------------------------------------------------------------------------
+// A timeout in milliseconds; negative means no timeout, zero means "do not block".
+using Timeout = std::chrono::milliseconds;
+inline constexpr Timeout kForever{-1};
+
+struct ClientOptions {
+  // How long the constructor (and clone()) keeps retrying, with backoff, to connect;
+  // negative: forever.
+  Timeout connect_timeout{300'000};
+  // How long the first call after the connection broke keeps retrying to reconnect (at most
+  // connect_timeout), so that a call on a dead server fails within this time.
+  Timeout reconnect_timeout{30'000};
+  // Client-side deadline for the reply to a request that does not block server-side, and for
+  // sending any request.
+  Timeout op_timeout{300'000};
+  // Sent in HELLO (at most kMaxClientNameBytes).
+  std::string client_name;
+  // Polled at least every kInterruptPollMs while waiting; returning true closes the connection
+  // and throws InterruptedError. Called without any lock of the client held by the caller thread
+  // other than the client's own call mutex.
+  std::function<bool()> interrupt_check;
+};
+
+inline constexpr int kInterruptPollMs = 100;
+
+// ---- results ----------------------------------------------------------------------------------
+struct CompareSetResult {
+  bool swapped = false;
+  bool exists = false;  // false: the key is missing (and current is empty)
+  std::string current;  // the value stored after the call
+};
+
+struct WatchEvent {
+  EventKind kind = EventKind::Set;
+  std::string key;
+  std::string value;
+  uint64_t revision = 0;
+};
+
+// ---- the client -------------------------------------------------------------------------------
+// Thread-safe: one mutex serializes calls on the connection (use clone() for parallel calls).
+// A thread waiting for the mutex polls interrupt_check too (InterruptedError without closing the
+// connection, which another call is using).
+// A broken connection is re-established by the next call; a request that failed after it was
+// (partly) sent is never retried (it may have been applied): it throws NetworkError.
+class Client {
+ public:
+  // Connects, retrying with jittered exponential backoff until options.connect_timeout.
+  Client(std::string host, uint16_t port, ClientOptions options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& host() const { return host_; }
+  uint16_t port() const { return port_; }
+  // The session of the current connection (changes on reconnect); 0 when not connected.
+  uint64_t session_id() const { return session_id_.load(std::memory_order_relaxed); }
+  bool connected() const;
+  const ClientOptions& options() const { return options_; }
+
+  // A new connection (a new session) to the same server with the same options.
+  std::unique_ptr<Client> clone() const;
+  // Closes the connection for good; a call in progress on another thread is aborted with
+  // NetworkError. Later calls throw NetworkError. Idempotent.
+  void close();
+
+  uint64_t set(std::string_view key, std::string_view value, bool ephemeral = false);
+  std::string get(std::string_view key, Timeout timeout);
+  std::optional<std::pair<std::string, uint64_t>> try_get(std::string_view key);
+  int64_t add(std::string_view key, int64_t delta);
+  CompareSetResult compare_set(std::string_view key, std::string_view expected,
+                               std::string_view desired, bool ephemeral = false);
+  void wait(const std::vector<std::string>& keys, Timeout timeout);
+  bool check(const std::vector<std::string>& keys);
+  bool delete_key(std::string_view key);
+  int64_t num_keys();
+  std::vector<std::string> list_keys(std::string_view prefix = {});
+  uint64_t append(std::string_view key, std::string_view value);
+  std::vector<std::string> multi_get(const std::vector<std::string>& keys, Timeout timeout);
+  uint64_t multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values);
+  int64_t queue_push(std::string_view queue, std::string_view value);
+  // Timeout 0: nullopt when the queue is empty. Otherwise throws TimeoutError when it passes.
+  std::optional<std::string> queue_pop(std::string_view queue, Timeout timeout);
+  int64_t queue_len(std::string_view queue);
+  void ping();
+  // Returns the generation released (0, 1, 2, ...).
+  uint64_t barrier(std::string_view key, int64_t world_size, Timeout timeout);
+  // The first change after after_revision (nullopt: after now) to key, or under it when prefix.
+  WatchEvent watch(std::string_view key, std::optional<uint64_t> after_revision, Timeout timeout,
+                   bool prefix = false);
+  std::vector<std::pair<std::string, uint64_t>> stats();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Reply {
+    uint8_t status = 0;
+    std::string_view payload;  // valid until the next request
+  };
+
+  // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
+  std::unique_lock<std::timed_mutex> lock_call();
+
+  // Connection management (all *_locked methods need mu_ held).
+  void connect_locked(Timeout timeout);
+  bool try_connect_once_locked(Clock::time_point deadline, std::string* error);
+  void handshake_locked(Clock::time_point deadline);
+  void ensure_connected_locked();
+  bool idle_connection_alive_locked();
+  void close_fd_locked();
+
+  // One exchange: begin_locked() checks the client, (re)connects and starts the frame;
+  // exchange_locked() finishes it, sends it and reads the matching reply. server_timeout_ms is
+  // the timeout sent to the server (kNoTimeout) or kNotBlocking for requests that never block.
+  Writer begin_locked(Op op);
+  Reply exchange_locked(Writer& w, Op op, uint32_t server_timeout_ms);
+  void send_all_locked(const char* data, std::size_t size, Clock::time_point deadline, Op op);
+  Reply read_reply_locked(uint32_t request_id, Clock::time_point deadline, Op op,
+                          uint32_t server_timeout_ms, Clock::time_point sent_at);
+  // Waits for events on fd_ (fd_ < 0: only sleeps) until deadline; false on deadline. Throws
+  // NetworkError when close() was called, InterruptedError when interrupt_check says so.
+  // `doing` and `what` (e.g. "sending", "SET") only name the wait in those errors.
+  bool wait_fd_locked(short events, Clock::time_point deadline, const char* doing,
+                      const char* what);
+
+  // Throws StoreError for an error reply, ProtocolError for any status other than OK.
+  // subject() (e.g. the quoted key) is called only to build the error message.
+  template <typename Subject>
+  void expect_ok_locked(const Reply& r, Op op, Subject&& subject) {
+    if (r.status != static_cast<uint8_t>(Status::Ok)) fail_status_locked(r, op, subject());
+  }
+  [[noreturn]] void fail_status_locked(const Reply& r, Op op, const std::string& subject);
+  void finish_locked(const Reader& rd, Op op);
+  void check_not_closed() const;
+  [[noreturn]] void fail_network_locked(const std::string& what);
+  [[noreturn]] void fail_protocol_locked(const std::string& what);
+  std::string endpoint() const;
+
+  std::string host_;
+  uint16_t port_;
+  ClientOptions options_;
+
+  // Serializes calls. Timed, so that a thread waiting for another thread's call still honours
+  // interrupt_check and close().
+  mutable std::timed_mutex mu_;
+  int fd_ = -1;
+  int wake_fd_ = -1;  // eventfd signalled by close() to abort a call in progress
+  std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> session_id_{0};
+  std::atomic<bool> connected_{false};
+  bool connected_once_ = false;
+  uint32_t next_request_id_ = 1;
+  std::string wbuf_;         // the request being built; reused
+  std::string rbuf_;         // raw storage for received bytes; size() is the capacity
+  std::size_t rlen_ = 0;     // bytes of rbuf_ holding data
+  std::size_t consume_ = 0;  // bytes of the last reply, dropped when the next request begins
+  uint32_t request_id_ = 0;  // of the request being built
+  std::minstd_rand rng_;
+};
+
+}  // namespace elasticstore
