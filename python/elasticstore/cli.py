@@ -1,0 +1,158 @@
+"""The ``elasticstore`` command line.
+
+    elasticstore server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
+    elasticstore get KEY | set KEY VALUE | ls [PREFIX] | status   [--addr HOST:PORT]
+
+``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
+until SIGINT or SIGTERM. The client commands talk to ``--addr`` (default: ``$ELASTICSTORE_ADDR``,
+else ``127.0.0.1:29400``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+DEFAULT_ADDR = "127.0.0.1:29400"
+_LOG_LEVELS = ("debug", "info", "warning", "error", "off")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text, 10)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port number (0..65535)")
+    return port
+
+
+def _int_at_least(minimum: int, what: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+def _addr(text: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        number = _port(port)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text}: {port} is not a port number (0..65535)") from None
+    return host, number
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elasticstore", description=__doc__.split("\n")[0])
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument(
+        "--addr",
+        type=_addr,
+        default=os.environ.get("ELASTICSTORE_ADDR", DEFAULT_ADDR),
+        help="server HOST:PORT (default: $ELASTICSTORE_ADDR or %(default)s)",
+    )
+    client.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    server = sub.add_parser("server", help="run a store server until SIGINT/SIGTERM")
+    server.add_argument("--host", default="127.0.0.1", help="numeric address to bind")
+    server.add_argument("--port", type=_port, default=29400, help="0 picks a free port")
+    server.add_argument(
+        "--backlog", type=_int_at_least(0, "a backlog >= 0"), default=0, help="0: somaxconn"
+    )
+    server.add_argument(
+        "--max-connections", type=_int_at_least(1, "a connection count >= 1"), default=65536
+    )
+    server.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
+
+    get = sub.add_parser("get", parents=[client], help="print a key's value (exit 1 when missing)")
+    get.add_argument("key")
+    put = sub.add_parser("set", parents=[client], help="set a key")
+    put.add_argument("key")
+    put.add_argument("value")
+    ls = sub.add_parser("ls", parents=[client], help="list keys under a prefix")
+    ls.add_argument("prefix", nargs="?", default="")
+    sub.add_parser("status", parents=[client], help="print the server's counters")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import ServerConfig, StoreServer
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        backlog=args.backlog,
+        max_connections=args.max_connections,
+        log_level=args.log_level,
+    )
+    # Python runs signal handlers in the main thread whichever thread the kernel picked (the
+    # server's, or one torch started at import); the handler only wakes the main thread.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    with StoreServer.from_config(config) as server:
+        print(f"elasticstore server listening on {server.address}", flush=True)
+        stop.wait()  # interruptible: the handler runs during the wait and sets the event
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from .store import Store
+
+    host, port = args.addr
+    wait = timedelta(seconds=args.timeout)
+    with Store(host, port, timeout=wait, connect_timeout=wait) as store:
+        if args.command == "get":
+            value = store.try_get(args.key)
+            if value is None:
+                print(f"elasticstore: {args.key}: no such key", file=sys.stderr)
+                return 1
+            sys.stdout.buffer.write(value + b"\n")
+        elif args.command == "set":
+            store.set(args.key, args.value)
+        elif args.command == "ls":
+            for key in store.list_keys(args.prefix):
+                print(key)
+        else:
+            for name, value in sorted(store.stats().items()):
+                print(f"{name} {value}")
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _serve(args) if args.command == "server" else _client(args)
+    except (OSError, RuntimeError, ValueError) as exc:  # store and network errors included
+        print(f"elasticstore: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

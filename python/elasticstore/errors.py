@@ -1,0 +1,43 @@
+"""Error classes of elasticstore.
+
+They subclass what callers of a ``torch.distributed.Store`` already catch: store errors and
+timeouts are ``torch.distributed.DistStoreError`` (itself a ``RuntimeError``), connection failures
+are ``torch.distributed.DistNetworkError``. The native extension raises these classes directly
+(``elasticstore`` registers them with ``_C._set_error_types`` at import).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+__all__ = ["StoreError", "StoreNetworkError", "StoreTimeoutError", "WatchCompactedError"]
+
+
+class StoreError(dist.DistStoreError):
+    """An error reply from the store (bad argument, wrong type, too large, protocol violation)."""
+
+
+class StoreTimeoutError(StoreError):
+    """A blocking call did not complete in time; the message names the keys and the time waited.
+
+    The store stays usable after it.
+    """
+
+
+class StoreNetworkError(dist.DistNetworkError):
+    """The connection to the server could not be made or was lost."""
+
+
+class WatchCompactedError(StoreError):
+    """The changes after the requested revision were dropped from the server's watch history.
+
+    ``oldest_revision`` is the oldest revision the server still holds: re-read the state and
+    watch again after it.
+    """
+
+    def __init__(self, message: str, oldest_revision: int) -> None:
+        super().__init__(message)
+        self.oldest_revision = int(oldest_revision)
+
+    def __reduce__(self) -> tuple[type[WatchCompactedError], tuple[str, int]]:
+        return (type(self), (str(self), self.oldest_revision))

@@ -1,0 +1,142 @@
+"""An in-process elasticstore server: the native event loop serving on its own thread."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import TracebackType
+
+from . import _C
+
+__all__ = ["LOG_LEVELS", "ServerConfig", "StoreServer", "format_address"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "off")
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets (``[::1]:29400``)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's settings, parsed and checked once.
+
+    ``port`` 0 picks a free port; ``backlog`` 0 uses ``/proc/sys/net/core/somaxconn``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    backlog: int = 0
+    max_connections: int = 65536
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise TypeError(f"port must be an int, got {type(self.port).__name__}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not a port number (0..65535)")
+        if isinstance(self.backlog, bool) or not isinstance(self.backlog, int) or self.backlog < 0:
+            raise ValueError(f"backlog must be an int >= 0 (0: somaxconn), got {self.backlog!r}")
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ValueError(f"max_connections must be an int >= 1, got {self.max_connections!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+
+
+class StoreServer:
+    """The native store server, serving on a background thread of this process.
+
+    The constructor binds, listens and starts serving, so ``port`` is known (and address errors
+    are raised) at once::
+
+        with StoreServer(port=0) as server:
+            store = elasticstore.Store(server.host, server.port)
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        backlog: int = 0,
+        max_connections: int = 65536,
+        log_level: str = "warning",
+    ) -> None:
+        self._config = ServerConfig(host, port, backlog, max_connections, log_level)
+        self._server: _C.Server | None = None
+        server = _C.Server(
+            host,
+            port,
+            backlog=backlog,
+            max_connections=max_connections,
+            log_level=log_level,  # type: ignore[arg-type]  # checked by ServerConfig
+        )
+        server.start()
+        self._server = server
+        self._host = server.host
+        self._port = server.port
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> StoreServer:
+        return cls(**asdict(config))
+
+    @property
+    def config(self) -> ServerConfig:
+        """The settings asked for (``port`` may be 0; see :attr:`port` for the bound one)."""
+        return self._config
+
+    @property
+    def host(self) -> str:
+        """The numeric address bound."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The port bound (never 0)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (IPv6 hosts in brackets)."""
+        return format_address(self._host, self._port)
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None and self._server.running
+
+    def stats(self) -> dict[str, int]:
+        """Server counters (``connections``, ``keys``, ``waiters``, ``revision``, ...)."""
+        if self._server is None:
+            raise RuntimeError(f"{self!r} is closed")
+        return dict(self._server.stats())
+
+    def close(self) -> None:
+        """Stops serving, closes every connection and joins the thread. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "closed"
+        return f"StoreServer({self.address}, {state})"

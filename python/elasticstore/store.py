@@ -1,0 +1,316 @@
+"""``elasticstore.Store``: a ``torch.distributed.Store`` over the native client."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal, Union
+
+import torch.distributed as dist
+
+from . import _C
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .server import StoreServer
+
+__all__ = ["Store", "WatchEvent"]
+
+Key = Union[str, bytes]
+Value = Union[str, bytes]
+Timeout = Union[timedelta, float, None]
+
+_DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    """Seconds for ``_C``. Like torch's ``kNoTimeout``, zero or less waits forever."""
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return secs if secs > 0 else _C.NO_TIMEOUT
+
+
+def _as_bytes(value: Value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change of a watched key: ``kind`` is ``"set"`` or ``"delete"``; ``version`` is the
+    server revision of the change (pass it as ``after_version`` to get the next one)."""
+
+    kind: Literal["set", "delete"]
+    key: str
+    value: bytes
+    version: int
+
+
+# Keep-alive. torch holds a store through a C++ ``c10::intrusive_ptr<Store>`` whose count Python
+# does not see: ``init_process_group(store=Store(...))`` wraps the store in a C++ ``PrefixStore``
+# and the caller's temporary is dropped. pybind11 then deallocates the Python half (its instance
+# and ``__dict__``) while the C++ trampoline (torch's ``PythonStore``) lives on; a later C++ call
+# (``new_group`` -> ``ProcessGroupGloo`` -> ``store->set``) finds no Python override and fails with
+# "INTERNAL ASSERT FAILED ... init.cpp ... Not implemented" (pytorch/pytorch#106633, still so in
+# torch 2.13: ``Store`` uses an intrusive_ptr holder, so pybind11's smart_holder
+# trampoline-self-life-support does not apply). torch gives no signal of when C++ lets go.
+#
+# The fix: when the last Python reference to an open store goes, ``__del__`` resurrects it
+# (PEP 442: a finalizer runs once and may resurrect; CPython then skips the dealloc, so pybind11
+# keeps the instance registered and C++ calls keep reaching these methods) by parking it in
+# ``_PARKED``. Parking closes its connection (no socket or server session is held by a store that
+# Python dropped, exactly as if it had been freed; session-bound keys go, as they would); the next
+# call, if C++ makes one, reconnects. What stays behind is this small object (and a server it
+# hosts, see ``init_method``) until ``close()`` or exit: the least that keeps torch's calls working.
+# (set.add/discard are atomic under the GIL: no lock, so a finalizer run by the cyclic GC at any
+# allocation can never deadlock on one.)
+_PARKED: set[Store] = set()
+
+
+class Store(dist.Store):
+    """A ``torch.distributed.Store`` backed by an elasticstore server.
+
+    ``timeout`` applies to ``get``, ``wait``, ``multi_get`` and the other blocking calls when they
+    are not given one; ``connect_timeout`` (default: ``timeout``) bounds connecting, retried with
+    backoff. Keys and values may be ``str`` or ``bytes``; values come back as ``bytes``. Timeouts
+    raise :class:`~elasticstore.StoreTimeoutError` (a ``DistStoreError``) and leave the store
+    usable; lost connections raise :class:`~elasticstore.StoreNetworkError`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: timedelta = _DEFAULT_TIMEOUT,
+        connect_timeout: timedelta | None = None,
+        client_name: str = "",
+    ) -> None:
+        super().__init__()
+        self._host = host
+        self._port = int(port)
+        self._connect_timeout = connect_timeout
+        self._client_name = client_name
+        self._lock = threading.Lock()
+        self._closed = True  # until connected: a store that failed to connect is never parked
+        self._server: StoreServer | None = None  # a server this store hosts (init_method)
+        self._client: _C.Client | None = None
+        self.set_timeout(timeout)
+        self._client = self._connect()
+        self._closed = False
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def _connect(self) -> _C.Client:
+        budget = self._connect_timeout if self._connect_timeout is not None else self.timeout
+        return _C.Client(
+            self._host,
+            self._port,
+            connect_timeout=budget.total_seconds(),
+            client_name=self._client_name,
+        )
+
+    def _conn(self) -> _C.Client:
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:  # parked (see _PARKED): reconnect on the first call
+            if self._closed:
+                raise StoreError(f"{self!r} is closed")
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
+    def _host_server(self, server: StoreServer) -> None:
+        """Ties ``server`` to this store: it serves as long as the store lives, closed with it."""
+        self._server = server
+
+    def close(self) -> None:
+        """Closes the connection (and a server this store hosts). Idempotent."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            server, self._server = self._server, None
+        _PARKED.discard(self)
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._closed:
+                return
+            client, self._client = self._client, None
+            _PARKED.add(self)  # resurrects self: torch's C++ side may still call it
+            if client is not None:
+                client.close()
+        except Exception:  # interpreter shutdown: module globals may be gone
+            pass
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"elasticstore.Store({self._host!r}, {self._port}, {state})"
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    # -- timeouts -------------------------------------------------------------------------------
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the default timeout of blocking calls (also seen by torch's C++ side)."""
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a timedelta, got {type(timeout).__name__}")
+        super().set_timeout(timeout)
+
+    # ``timeout`` (a property) is inherited: it reads the C++ Store's member, which torch's C++
+    # side may also set (``PrefixStore::setTimeout`` sets the wrapped store's, bypassing Python).
+    # So it is read per call, never cached here.
+
+    def _wait_secs(self, timeout: Timeout) -> float:
+        return _seconds(self.timeout if timeout is None else timeout)
+
+    # -- the torch.distributed.Store API (torch's C++ side calls these by name) ----------------
+
+    def set(self, key: Key, value: Value, ephemeral: bool = False) -> None:  # type: ignore[override]
+        """Sets ``key``; ``ephemeral=True`` binds it to this connection: it is deleted when the
+        connection closes (the process dies included)."""
+        self._conn().set(key, value, ephemeral)
+
+    def get(self, key: Key) -> bytes:  # type: ignore[override]
+        """Blocks until ``key`` exists (one round trip) or the store's timeout passes."""
+        return self._conn().get(key, _seconds(self.timeout))
+
+    def add(self, key: Key, amount: int) -> int:  # type: ignore[override]
+        return self._conn().add(key, int(amount))
+
+    def compare_set(self, key: Key, expected: Value, desired: Value) -> bytes:  # type: ignore[override]
+        """torch's contract: the value now stored (``desired`` when it swapped), or ``expected``
+        when the key is missing and nothing was set. See :meth:`compare_set_ex`."""
+        _, value = self._conn().compare_set(key, expected, desired)
+        return value if value is not None else _as_bytes(expected)
+
+    def compare_set_ex(
+        self, key: Key, expected: Value, desired: Value, *, ephemeral: bool = False
+    ) -> tuple[bool, bytes | None]:
+        """``(swapped, value now stored or None when the key is missing)``. An empty
+        ``expected`` matches a missing key (creates it)."""
+        return self._conn().compare_set(key, expected, desired, ephemeral)
+
+    def wait(self, keys: list[Key], timeout: Timeout = None) -> None:  # type: ignore[override]
+        self._conn().wait(list(keys), self._wait_secs(timeout))
+
+    def check(self, keys: list[Key]) -> bool:  # type: ignore[override]
+        return self._conn().check(list(keys))
+
+    def num_keys(self) -> int:
+        return self._conn().num_keys()
+
+    def getNumKeys(self) -> int:  # noqa: N802 (torch's C++ name)
+        return self.num_keys()
+
+    def delete_key(self, key: Key) -> bool:  # type: ignore[override]
+        return self._conn().delete_key(key)
+
+    def deleteKey(self, key: Key) -> bool:  # noqa: N802 (torch's C++ name)
+        return self.delete_key(key)
+
+    def clone(self) -> Store:
+        """A new store on a new connection with the same settings (for another thread)."""
+        return Store(
+            self._host,
+            self._port,
+            timeout=self.timeout,
+            connect_timeout=self._connect_timeout,
+            client_name=self._client_name,
+        )
+
+    def append(self, key: Key, value: Value) -> None:  # type: ignore[override]
+        self._conn().append(key, value)
+
+    def multi_get(self, keys: list[Key]) -> list[bytes]:  # type: ignore[override]
+        """Blocks until every key exists or the store's timeout passes."""
+        return self._conn().multi_get(list(keys), _seconds(self.timeout))
+
+    def multi_set(self, keys: list[Key], values: list[Value]) -> None:  # type: ignore[override]
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self._conn().multi_set(list(keys), list(values))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def list_keys(self, prefix: Key = "") -> list[str]:  # type: ignore[override]
+        """Keys starting with ``prefix``, sorted."""
+        return self._conn().list_keys(prefix)
+
+    def queue_push(self, key: Key, value: Value) -> None:  # type: ignore[override]
+        self._conn().queue_push(key, value)
+
+    def queue_pop(self, key: Key, block: bool = True, timeout: Timeout = None) -> bytes:  # type: ignore[override]
+        """Pops the oldest value. Blocking (the default), waits up to ``timeout`` (default: the
+        store's) for a push; otherwise raises ``torch.distributed.QueueEmptyError`` at once when
+        the queue is empty, as torch's stores do."""
+        if not block:
+            value = self._conn().queue_pop(key, 0.0)
+            if value is None:
+                raise dist.QueueEmptyError(f"queue {key!r} is empty")
+            return value
+        value = self._conn().queue_pop(key, self._wait_secs(timeout))
+        if value is None:  # only with a non-blocking pop; kept for safety
+            raise dist.QueueEmptyError(f"queue {key!r} is empty")
+        return value
+
+    def queue_len(self, key: Key) -> int:  # type: ignore[override]
+        return self._conn().queue_len(key)
+
+    def barrier(self, key: Key, world_size: int, timeout: Timeout = None) -> int:  # type: ignore[override]
+        """Blocks until ``world_size`` participants reached barrier ``key``; returns the
+        generation released (0, 1, 2, ...: the barrier is reusable). One round trip each."""
+        return self._conn().barrier(key, int(world_size), self._wait_secs(timeout))
+
+    # -- Python-level extras --------------------------------------------------------------------
+
+    def try_get(self, key: Key) -> bytes | None:
+        """The value, or None when the key is missing. Never blocks."""
+        found = self._conn().try_get(key)
+        return None if found is None else found[0]
+
+    def watch(
+        self,
+        key: Key,
+        after_version: int | None = None,
+        timeout: Timeout = None,
+        prefix: bool = False,
+    ) -> WatchEvent:
+        """The first change to ``key`` (or, with ``prefix``, to any key under it) after
+        ``after_version`` (None: after now), waiting up to ``timeout`` for it. Loop with
+        ``after_version=event.version`` to see every change in order. Raises
+        :class:`~elasticstore.WatchCompactedError` when those changes left the history."""
+        kind, name, value, version = self._conn().watch(
+            key, after_version, self._wait_secs(timeout), prefix
+        )
+        return WatchEvent(kind, name, value, version)
+
+    def ping(self) -> None:
+        self._conn().ping()
+
+    def stats(self) -> dict[str, int]:
+        """The server's counters (``revision``, ``keys``, ``connections``, ...)."""
+        return dict(self._conn().stats())

@@ -1,0 +1,39 @@
+"""Shared fixtures: real servers on loopback, and the registry of store kinds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import store_kinds  # noqa: E402
+from store_kinds import KINDS, Opened  # noqa: E402
+
+
+@pytest.fixture(params=KINDS, ids=[kind.name for kind in KINDS])
+def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
+    """A fresh store of each kind (see ``store_kinds.KINDS``)."""
+    with request.param.open() as opened:
+        yield opened
+
+
+@pytest.fixture
+def server() -> Iterator[object]:
+    import elasticstore
+
+    with elasticstore.StoreServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def store(server: object) -> Iterator[object]:
+    import elasticstore
+
+    with elasticstore.Store(
+        server.host, server.port, timeout=store_kinds.DEFAULT_TIMEOUT  # type: ignore[attr-defined]
+    ) as st:
+        yield st

@@ -1,0 +1,166 @@
+"""The stores the conformance suite runs against: a small registry with capabilities.
+
+A kind opens a fresh store for one test (:meth:`StoreKind.open`) and says what it lacks; a test
+that needs a capability calls ``opened.require(capability)``, which skips with the kind's reason.
+A later store plugs in by adding one :class:`StoreKind` to :data:`KINDS` (for example torch's
+``TCPStore`` client against our server, or an etcd store).
+
+Another process builds a client from ``opened.spec`` (plain JSON) with :func:`connect`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+# Capabilities a kind may lack (the conformance tests require them by these names).
+MULTIPROCESS = "clients in other processes"
+ADD_WRONG_TYPE = "a usable connection after add() on a non-integer value"
+QUEUES = "queue_push/queue_pop/queue_len"
+LIST_KEYS = "list_keys"
+BARRIER = "barrier"
+WAKE_BY_ADD = "waiters woken by add"
+
+DEFAULT_TIMEOUT = timedelta(seconds=30)
+
+
+@dataclass
+class Opened:
+    """One store for one test, and how to make more clients of the same data."""
+
+    kind: StoreKind
+    store: dist.Store
+    new_client: Callable[[], dist.Store]  # another client in this process (own connection)
+    spec: dict[str, Any] | None  # builds a client in another process; None without MULTIPROCESS
+    server: Any = None  # an elasticstore.StoreServer when the kind runs one
+
+    def require(self, capability: str) -> None:
+        import pytest
+
+        reason = self.kind.lacks.get(capability)
+        if reason is not None:
+            pytest.skip(f"{self.kind.name} lacks {capability}: {reason}")
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    name: str
+    open: Callable[[], contextlib.AbstractContextManager[Opened]]
+    lacks: dict[str, str] = field(default_factory=dict)
+
+
+def connect(spec: dict[str, Any]) -> dist.Store:
+    """A client of the store described by ``spec`` (used in other processes)."""
+    timeout = timedelta(seconds=spec["timeout"])
+    kind = spec["kind"]
+    if kind == "tcpstore":
+        return dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+    import elasticstore
+
+    store = elasticstore.Store(spec["host"], spec["port"], timeout=timeout)
+    if kind == "elasticstore":
+        return store
+    if kind == "prefix-elasticstore":
+        return dist.PrefixStore(spec["prefix"], store)
+    raise ValueError(f"unknown store kind {kind!r}")
+
+
+@contextlib.contextmanager
+def _open_elasticstore(prefix: str | None = None) -> Iterator[Opened]:
+    import elasticstore
+
+    with elasticstore.StoreServer() as server:
+        host, port = server.host, server.port
+
+        def client() -> dist.Store:
+            store = elasticstore.Store(host, port, timeout=DEFAULT_TIMEOUT)
+            return store if prefix is None else dist.PrefixStore(prefix, store)
+
+        spec: dict[str, Any] = {
+            "kind": "elasticstore" if prefix is None else "prefix-elasticstore",
+            "host": host,
+            "port": port,
+            "prefix": prefix,
+            "timeout": DEFAULT_TIMEOUT.total_seconds(),
+        }
+        name = "elasticstore" if prefix is None else "prefix"
+        yield Opened(KINDS_BY_NAME[name], client(), client, spec, server)
+
+
+@contextlib.contextmanager
+def _open_tcpstore() -> Iterator[Opened]:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=DEFAULT_TIMEOUT)
+    host, port = "127.0.0.1", master.port
+
+    def client() -> dist.Store:
+        return dist.TCPStore(host, port, is_master=False, timeout=DEFAULT_TIMEOUT)
+
+    spec = {"kind": "tcpstore", "host": host, "port": port,
+            "timeout": DEFAULT_TIMEOUT.total_seconds()}
+    yield Opened(KINDS_BY_NAME["tcpstore"], master, client, spec)
+
+
+@contextlib.contextmanager
+def _open_hashstore() -> Iterator[Opened]:
+    store = dist.HashStore()
+    store.set_timeout(DEFAULT_TIMEOUT)
+    # A HashStore is one in-process map: "another client" is the same (thread-safe) object.
+    yield Opened(KINDS_BY_NAME["hashstore"], store, lambda: store, None)
+
+
+@contextlib.contextmanager
+def _open_tcpstore_client_on_elasticstore() -> Iterator[Opened]:
+    """torch's own TCPStore client speaking its protocol to our server (the second codec)."""
+    import elasticstore
+
+    with elasticstore.StoreServer() as server:
+        host, port = server.host, server.port
+
+        def client() -> dist.Store:
+            return dist.TCPStore(host, port, is_master=False, timeout=DEFAULT_TIMEOUT)
+
+        spec = {"kind": "tcpstore", "host": host, "port": port,
+                "timeout": DEFAULT_TIMEOUT.total_seconds()}
+        yield Opened(KINDS_BY_NAME["tcpstore-client"], client(), client, spec, server)
+
+
+KINDS: list[StoreKind] = [
+    StoreKind("elasticstore", _open_elasticstore),
+    StoreKind(
+        "tcpstore",
+        _open_tcpstore,
+        lacks={ADD_WRONG_TYPE: "its libuv server drops the connection on a failed add"},
+    ),
+    StoreKind(
+        "hashstore",
+        _open_hashstore,
+        lacks={
+            MULTIPROCESS: "a HashStore lives inside one process",
+            WAKE_BY_ADD: "torch's HashStore::add does not notify waiting threads",
+        },
+    ),
+    # torch's C++ PrefixStore calling back into elasticstore.Store (the Python trampoline path).
+    StoreKind(
+        "prefix",
+        lambda: _open_elasticstore(prefix="conformance"),
+        lacks={
+            QUEUES: "torch's PythonStore trampoline does not forward queue calls",
+            LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
+        },
+    ),
+    # torch's own TCPStore client speaking its protocol to our server (the second codec).
+    StoreKind(
+        "tcpstore-client",
+        _open_tcpstore_client_on_elasticstore,
+        lacks={
+            ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
+            "the connection on a failed add, as torch's own server does",
+        },
+    ),
+]
+KINDS_BY_NAME = {kind.name: kind for kind in KINDS}
