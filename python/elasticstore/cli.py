@@ -61,7 +61,9 @@ def _addr(text: str) -> tuple[str, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elasticstore", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="elasticstore", description="elasticstore: a key-value store for torch.distributed"
+    )
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
         "--addr",
