@@ -60,6 +60,9 @@ def connect(spec: dict[str, Any]) -> dist.Store:
     kind = spec["kind"]
     if kind == "tcpstore":
         return dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+    if kind == "prefix-tcpstore":
+        tcp = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+        return dist.PrefixStore(spec["prefix"], tcp)
     import elasticstore
 
     store = elasticstore.Store(spec["host"], spec["port"], timeout=timeout)
@@ -114,19 +117,22 @@ def _open_hashstore() -> Iterator[Opened]:
 
 
 @contextlib.contextmanager
-def _open_tcpstore_client_on_elasticstore() -> Iterator[Opened]:
-    """torch's own TCPStore client speaking its protocol to our server (the second codec)."""
+def _open_tcpstore_client_on_elasticstore(prefix: str | None = None) -> Iterator[Opened]:
+    """torch's own TCPStore client speaking its protocol to our server (the second codec),
+    optionally under torch's C++ PrefixStore."""
     import elasticstore
 
     with elasticstore.StoreServer() as server:
         host, port = server.host, server.port
 
         def client() -> dist.Store:
-            return dist.TCPStore(host, port, is_master=False, timeout=DEFAULT_TIMEOUT)
+            tcp = dist.TCPStore(host, port, is_master=False, timeout=DEFAULT_TIMEOUT)
+            return tcp if prefix is None else dist.PrefixStore(prefix, tcp)
 
-        spec = {"kind": "tcpstore", "host": host, "port": port,
-                "timeout": DEFAULT_TIMEOUT.total_seconds()}
-        yield Opened(KINDS_BY_NAME["tcpstore-client"], client(), client, spec, server)
+        spec = {"kind": "tcpstore" if prefix is None else "prefix-tcpstore", "host": host,
+                "port": port, "prefix": prefix, "timeout": DEFAULT_TIMEOUT.total_seconds()}
+        name = "tcpstore-client" if prefix is None else "prefix-tcpstore-client"
+        yield Opened(KINDS_BY_NAME[name], client(), client, spec, server)
 
 
 KINDS: list[StoreKind] = [
@@ -157,6 +163,14 @@ KINDS: list[StoreKind] = [
     StoreKind(
         "tcpstore-client",
         _open_tcpstore_client_on_elasticstore,
+        lacks={
+            ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
+            "the connection on a failed add, as torch's own server does",
+        },
+    ),
+    StoreKind(
+        "prefix-tcpstore-client",
+        lambda: _open_tcpstore_client_on_elasticstore(prefix="conformance"),
         lacks={
             ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
             "the connection on a failed add, as torch's own server does",
