@@ -100,6 +100,8 @@ struct WatchEvent {
 };
 
 // ---- the client -------------------------------------------------------------------------------
+class ClientTransport;  // client_transport.hpp
+
 // Thread-safe: one mutex serializes calls on the connection (use clone() for parallel calls).
 // A thread waiting for the mutex polls interrupt_check too (InterruptedError without closing the
 // connection, which another call is using).
@@ -162,12 +164,11 @@ class Client {
   // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
   std::unique_lock<std::timed_mutex> lock_call();
 
-  // Connection management (all *_locked methods need mu_ held).
+  // Connection management (all *_locked methods need mu_ held). The socket, connecting with
+  // backoff and waiting against deadlines are the transport's (client_transport.hpp).
   void connect_locked(Timeout timeout);
-  bool try_connect_once_locked(Clock::time_point deadline, std::string* error);
   void handshake_locked(Clock::time_point deadline);
   void ensure_connected_locked();
-  bool idle_connection_alive_locked();
   void close_fd_locked();
 
   // One exchange: begin_locked() checks the client, (re)connects and starts the frame;
@@ -175,14 +176,8 @@ class Client {
   // the timeout sent to the server (kNoTimeout) or kNotBlocking for requests that never block.
   Writer begin_locked(Op op);
   Reply exchange_locked(Writer& w, Op op, uint32_t server_timeout_ms);
-  void send_all_locked(const char* data, std::size_t size, Clock::time_point deadline, Op op);
   Reply read_reply_locked(uint32_t request_id, Clock::time_point deadline, Op op,
                           uint32_t server_timeout_ms, Clock::time_point sent_at);
-  // Waits for events on fd_ (fd_ < 0: only sleeps) until deadline; false on deadline. Throws
-  // NetworkError when close() was called, InterruptedError when interrupt_check says so.
-  // `doing` and `what` (e.g. "sending", "SET") only name the wait in those errors.
-  bool wait_fd_locked(short events, Clock::time_point deadline, const char* doing,
-                      const char* what);
 
   // Throws StoreError for an error reply, ProtocolError for any status other than OK.
   // subject() (e.g. the quoted key) is called only to build the error message.
@@ -193,7 +188,6 @@ class Client {
   [[noreturn]] void fail_status_locked(const Reply& r, Op op, const std::string& subject);
   void finish_locked(const Reader& rd, Op op);
   void check_not_closed() const;
-  [[noreturn]] void fail_network_locked(const std::string& what);
   [[noreturn]] void fail_protocol_locked(const std::string& what);
   std::string endpoint() const;
 
@@ -204,17 +198,12 @@ class Client {
   // Serializes calls. Timed, so that a thread waiting for another thread's call still honours
   // interrupt_check and close().
   mutable std::timed_mutex mu_;
-  int fd_ = -1;
-  int wake_fd_ = -1;  // eventfd signalled by close() to abort a call in progress
-  std::atomic<bool> closed_{false};
+  // The socket, its buffered reply bytes and the close() signal; never null.
+  std::unique_ptr<ClientTransport> conn_;
   std::atomic<uint64_t> session_id_{0};
   std::atomic<bool> connected_{false};
-  bool connected_once_ = false;
   uint32_t next_request_id_ = 1;
   std::string wbuf_;         // the request being built; reused
-  std::string rbuf_;         // raw storage for received bytes; size() is the capacity
-  std::size_t rlen_ = 0;     // bytes of rbuf_ holding data
-  std::size_t consume_ = 0;  // bytes of the last reply, dropped when the next request begins
   uint32_t request_id_ = 0;  // of the request being built
   std::minstd_rand rng_;
 };

@@ -1,0 +1,238 @@
+// The client's operations that never block server-side: encode the request, decode the reply.
+#include "client.hpp"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "client_ops.hpp"
+
+namespace elasticstore {
+using namespace client_detail;
+
+// ---- operations -------------------------------------------------------------------------------
+
+uint64_t Client::set(std::string_view key, std::string_view value, bool ephemeral) {
+  check_key(Op::Set, key);
+  check_value(Op::Set, key, value);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::Set);
+  w.bytes(key);
+  w.bytes(value);
+  w.u8(ephemeral ? kFlagEphemeral : 0);
+  const Reply r = exchange_locked(w, Op::Set, kNotBlocking);
+  expect_ok_locked(r, Op::Set, [&] { return quote(key); });
+  Reader rd(r.payload);
+  const uint64_t revision = rd.u64();
+  finish_locked(rd, Op::Set);
+  return revision;
+}
+
+std::optional<std::pair<std::string, uint64_t>> Client::try_get(std::string_view key) {
+  check_key(Op::TryGet, key);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::TryGet);
+  w.bytes(key);
+  const Reply r = exchange_locked(w, Op::TryGet, kNotBlocking);
+  expect_ok_locked(r, Op::TryGet, [&] { return quote(key); });
+  Reader rd(r.payload);
+  const bool found = rd.u8() != 0;
+  std::string value(rd.bytes(kMaxReplyField));
+  const uint64_t revision = rd.u64();
+  finish_locked(rd, Op::TryGet);
+  if (!found) return std::nullopt;
+  return std::make_pair(std::move(value), revision);
+}
+
+int64_t Client::add(std::string_view key, int64_t delta) {
+  check_key(Op::Add, key);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::Add);
+  w.bytes(key);
+  w.i64(delta);
+  const Reply r = exchange_locked(w, Op::Add, kNotBlocking);
+  expect_ok_locked(r, Op::Add, [&] { return quote(key); });
+  Reader rd(r.payload);
+  const int64_t v = rd.i64();
+  finish_locked(rd, Op::Add);
+  return v;
+}
+
+CompareSetResult Client::compare_set(std::string_view key, std::string_view expected,
+                                     std::string_view desired, bool ephemeral) {
+  check_key(Op::CompareSet, key);
+  check_value(Op::CompareSet, key, expected);
+  check_value(Op::CompareSet, key, desired);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::CompareSet);
+  w.bytes(key);
+  w.bytes(expected);
+  w.bytes(desired);
+  w.u8(ephemeral ? kFlagEphemeral : 0);
+  const Reply r = exchange_locked(w, Op::CompareSet, kNotBlocking);
+  expect_ok_locked(r, Op::CompareSet, [&] { return quote(key); });
+  Reader rd(r.payload);
+  CompareSetResult out;
+  out.swapped = rd.u8() != 0;
+  out.exists = rd.u8() != 0;
+  out.current = std::string(rd.bytes(kMaxReplyField));
+  finish_locked(rd, Op::CompareSet);
+  return out;
+}
+
+bool Client::check(const std::vector<std::string>& keys) {
+  check_keys(Op::Check, keys);
+  if (keys.empty()) {
+    check_not_closed();
+    return true;
+  }
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::Check);
+  w.keys(keys);
+  const Reply r = exchange_locked(w, Op::Check, kNotBlocking);
+  expect_ok_locked(r, Op::Check, [&] { return quote_list(keys); });
+  Reader rd(r.payload);
+  const bool all = rd.u8() != 0;
+  finish_locked(rd, Op::Check);
+  return all;
+}
+
+bool Client::delete_key(std::string_view key) {
+  check_key(Op::DeleteKey, key);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::DeleteKey);
+  w.bytes(key);
+  const Reply r = exchange_locked(w, Op::DeleteKey, kNotBlocking);
+  expect_ok_locked(r, Op::DeleteKey, [&] { return quote(key); });
+  Reader rd(r.payload);
+  const bool deleted = rd.u8() != 0;
+  finish_locked(rd, Op::DeleteKey);
+  return deleted;
+}
+
+int64_t Client::num_keys() {
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::NumKeys);
+  const Reply r = exchange_locked(w, Op::NumKeys, kNotBlocking);
+  expect_ok_locked(r, Op::NumKeys, [] { return std::string(); });
+  Reader rd(r.payload);
+  const int64_t n = rd.i64();
+  finish_locked(rd, Op::NumKeys);
+  return n;
+}
+
+std::vector<std::string> Client::list_keys(std::string_view prefix) {
+  check_key(Op::ListKeys, prefix);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::ListKeys);
+  w.bytes(prefix);
+  const Reply r = exchange_locked(w, Op::ListKeys, kNotBlocking);
+  expect_ok_locked(r, Op::ListKeys, [&] { return "prefix " + quote(prefix); });
+  Reader rd(r.payload);
+  std::vector<std::string> keys;
+  // The listing is bounded by the reply size, not by kMaxKeysPerRequest.
+  const uint32_t n = rd.count(UINT32_MAX, 4);
+  keys.reserve(n);
+  for (uint32_t i = 0; i < n && rd.ok(); ++i) keys.emplace_back(rd.bytes(kMaxReplyField));
+  finish_locked(rd, Op::ListKeys);
+  return keys;
+}
+
+uint64_t Client::append(std::string_view key, std::string_view value) {
+  check_key(Op::Append, key);
+  check_value(Op::Append, key, value);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::Append);
+  w.bytes(key);
+  w.bytes(value);
+  const Reply r = exchange_locked(w, Op::Append, kNotBlocking);
+  expect_ok_locked(r, Op::Append, [&] { return quote(key); });
+  Reader rd(r.payload);
+  const uint64_t revision = rd.u64();
+  finish_locked(rd, Op::Append);
+  return revision;
+}
+
+uint64_t Client::multi_set(const std::vector<std::string>& keys,
+                           const std::vector<std::string>& values) {
+  if (keys.size() != values.size()) {
+    throw StoreError("multi_set: " + std::to_string(keys.size()) + " keys but " +
+                     std::to_string(values.size()) + " values");
+  }
+  check_keys(Op::MultiSet, keys);
+  for (std::size_t i = 0; i < keys.size(); ++i) check_value(Op::MultiSet, keys[i], values[i]);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::MultiSet);
+  w.u32(static_cast<uint32_t>(keys.size()));
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    w.bytes(keys[i]);
+    w.bytes(values[i]);
+  }
+  const Reply r = exchange_locked(w, Op::MultiSet, kNotBlocking);
+  expect_ok_locked(r, Op::MultiSet, [&] { return quote_list(keys); });
+  Reader rd(r.payload);
+  const uint64_t revision = rd.u64();
+  finish_locked(rd, Op::MultiSet);
+  return revision;
+}
+
+int64_t Client::queue_push(std::string_view queue, std::string_view value) {
+  check_key(Op::QueuePush, queue);
+  check_value(Op::QueuePush, queue, value);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::QueuePush);
+  w.bytes(queue);
+  w.bytes(value);
+  const Reply r = exchange_locked(w, Op::QueuePush, kNotBlocking);
+  expect_ok_locked(r, Op::QueuePush, [&] { return "queue " + quote(queue); });
+  Reader rd(r.payload);
+  const int64_t n = rd.i64();
+  finish_locked(rd, Op::QueuePush);
+  return n;
+}
+
+int64_t Client::queue_len(std::string_view queue) {
+  check_key(Op::QueueLen, queue);
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::QueueLen);
+  w.bytes(queue);
+  const Reply r = exchange_locked(w, Op::QueueLen, kNotBlocking);
+  expect_ok_locked(r, Op::QueueLen, [&] { return "queue " + quote(queue); });
+  Reader rd(r.payload);
+  const int64_t n = rd.i64();
+  finish_locked(rd, Op::QueueLen);
+  return n;
+}
+
+void Client::ping() {
+  auto lock = lock_call();
+  const uint64_t nonce = (static_cast<uint64_t>(rng_()) << 32) ^ rng_();
+  Writer w = begin_locked(Op::Ping);
+  w.u64(nonce);
+  const Reply r = exchange_locked(w, Op::Ping, kNotBlocking);
+  expect_ok_locked(r, Op::Ping, [] { return std::string(); });
+  Reader rd(r.payload);
+  const uint64_t echoed = rd.u64();
+  finish_locked(rd, Op::Ping);
+  if (echoed != nonce) fail_protocol_locked("PING echoed a different nonce");
+}
+
+std::vector<std::pair<std::string, uint64_t>> Client::stats() {
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::Stats);
+  const Reply r = exchange_locked(w, Op::Stats, kNotBlocking);
+  expect_ok_locked(r, Op::Stats, [] { return std::string(); });
+  Reader rd(r.payload);
+  const uint32_t n = rd.count(UINT32_MAX, 4 + 8);
+  std::vector<std::pair<std::string, uint64_t>> out;
+  out.reserve(n);
+  for (uint32_t i = 0; i < n && rd.ok(); ++i) {
+    std::string name(rd.bytes(kMaxReplyField));
+    const uint64_t v = rd.u64();
+    out.emplace_back(std::move(name), v);
+  }
+  finish_locked(rd, Op::Stats);
+  return out;
+}
+
+}  // namespace elasticstore
