@@ -5,205 +5,22 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
-#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
-#include <system_error>
 #include <utility>
 #include <vector>
 
 #include "client.hpp"
-#include "log.hpp"
 #include "protocol.hpp"
+#include "py_interop.hpp"
 #include "server.hpp"
 
 namespace py = pybind11;
 namespace es = elasticstore;
+using namespace elasticstore::py_interop;
 
 namespace {
-
-// ---- error types ------------------------------------------------------------------------------
-// The Python classes set by _set_error_types(). Heap-allocated and never freed: the objects must
-// not be released after the interpreter is gone.
-struct ErrorTypes {
-  py::object store, timeout, network, compacted;
-};
-ErrorTypes& error_types() {
-  static ErrorTypes* types = new ErrorTypes();
-  return *types;
-}
-
-void raise_as(const py::object& cls, PyObject* fallback, const char* what) {
-  PyErr_SetString(cls ? cls.ptr() : fallback, what);
-}
-
-void translate_exception(std::exception_ptr p) {
-  if (!p) return;
-  try {
-    std::rethrow_exception(p);
-  } catch (const es::CompactedError& e) {
-    const ErrorTypes& t = error_types();
-    if (!t.compacted) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-      return;
-    }
-    try {
-      py::object exc = t.compacted(e.what(), e.oldest_revision());
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-    } catch (py::error_already_set& err) {
-      err.restore();
-    }
-  } catch (const es::TimeoutError& e) {
-    raise_as(error_types().timeout, PyExc_TimeoutError, e.what());
-  } catch (const es::NetworkError& e) {
-    raise_as(error_types().network, PyExc_ConnectionError, e.what());
-  } catch (const es::InterruptedError& e) {
-    // The Python exception raised by a signal handler is re-raised by call_blocking(); this is
-    // reached only when no Python exception was pending (a C++-level interrupt).
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
-  } catch (const es::StoreError& e) {
-    raise_as(error_types().store, PyExc_RuntimeError, e.what());
-  } catch (const std::system_error& e) {
-    // The server's bind/listen failures: OSError(errno, message) like the socket module.
-    if (e.code().category() == std::system_category() ||
-        e.code().category() == std::generic_category()) {
-      try {
-        py::object exc =
-            py::reinterpret_borrow<py::object>(PyExc_OSError)(e.code().value(), e.what());
-        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-      } catch (py::error_already_set& err) {
-        err.restore();
-      }
-    } else {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    }
-  }
-}
-
-// ---- interrupts -------------------------------------------------------------------------------
-// Signals are handled by Python on the main thread only. While a main-thread call waits with the
-// GIL released, the client polls python_interrupt_check() every <=100 ms: it takes the GIL and runs
-// the pending signal handlers (PyErr_CheckSignals). When a handler raised (KeyboardInterrupt from
-// SIGINT, or whatever a custom handler raises), the exception is moved out of the thread state
-// into the call's slot and the check returns true; the client closes its connection and throws
-// InterruptedError, which call_blocking() catches after the GIL is back and turns into the saved
-// Python exception. Other threads never take the GIL in the check (they have no slot).
-struct InterruptSlot {
-  std::optional<py::error_already_set> pending;
-};
-thread_local InterruptSlot* tl_slot = nullptr;
-unsigned long g_main_thread_ident = 0;
-
-bool python_interrupt_check() {
-  InterruptSlot* slot = tl_slot;
-  if (slot == nullptr) return false;
-  py::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() == 0) return false;
-  slot->pending.emplace();  // fetches (and clears) the exception a handler raised
-  return true;
-}
-
-template <typename F>
-auto call_blocking(F&& f) -> decltype(f()) {
-  InterruptSlot slot;
-  const bool main_thread = PyThread_get_thread_ident() == g_main_thread_ident;
-  struct SlotScope {
-    explicit SlotScope(InterruptSlot* s) : prev(tl_slot) { tl_slot = s; }
-    ~SlotScope() { tl_slot = prev; }
-    InterruptSlot* prev;
-  } scope(main_thread ? &slot : nullptr);
-  try {
-    py::gil_scoped_release release;
-    return f();
-  } catch (const es::InterruptedError&) {
-    // The GIL is held again here.
-    if (slot.pending) throw py::error_already_set(std::move(*slot.pending));
-    throw;
-  }
-}
-
-// ---- argument conversion ----------------------------------------------------------------------
-// A str or bytes argument as bytes. bytes and str are immutable and referenced by the call's
-// arguments, so the view stays valid while the GIL is released; bytearray/memoryview are copied.
-std::string_view as_bytes(py::handle h, std::string& scratch, const char* what) {
-  PyObject* o = h.ptr();
-  if (PyBytes_Check(o)) {
-    return {PyBytes_AS_STRING(o), static_cast<std::size_t>(PyBytes_GET_SIZE(o))};
-  }
-  if (PyUnicode_Check(o)) {
-    Py_ssize_t n = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(o, &n);
-    if (!s) throw py::error_already_set();
-    return {s, static_cast<std::size_t>(n)};
-  }
-  if (PyByteArray_Check(o) || PyMemoryView_Check(o)) {
-    PyObject* b = PyBytes_FromObject(o);
-    if (!b) throw py::error_already_set();
-    scratch.assign(PyBytes_AS_STRING(b), static_cast<std::size_t>(PyBytes_GET_SIZE(b)));
-    Py_DECREF(b);
-    return scratch;
-  }
-  throw py::type_error(std::string(what) + " must be str or bytes, not " +
-                       Py_TYPE(o)->tp_name);
-}
-
-std::string to_string_arg(py::handle h, const char* what) {
-  std::string scratch;
-  std::string_view v = as_bytes(h, scratch, what);
-  return scratch.empty() ? std::string(v) : std::move(scratch);
-}
-
-std::vector<std::string> to_string_list(py::handle seq, const char* what) {
-  if (PyUnicode_Check(seq.ptr()) || PyBytes_Check(seq.ptr()) || PyByteArray_Check(seq.ptr())) {
-    throw py::type_error(std::string(what) + " must be a list of str or bytes, not a single " +
-                         Py_TYPE(seq.ptr())->tp_name);
-  }
-  std::vector<std::string> out;
-  if (PyList_Check(seq.ptr()) || PyTuple_Check(seq.ptr())) out.reserve(py::len(seq));
-  for (py::handle item : py::iter(seq)) out.push_back(to_string_arg(item, what));
-  return out;
-}
-
-// Seconds (float) to the client's milliseconds: negative, inf or nan -> no timeout; 0 -> do not
-// block; a positive timeout under 1 ms rounds up to 1 ms so it still blocks.
-es::Timeout to_timeout(double seconds) {
-  if (std::isnan(seconds) || seconds < 0 || std::isinf(seconds)) return es::kForever;
-  const double ms = std::ceil(seconds * 1000.0);
-  if (ms >= 1e15) return es::Timeout(static_cast<int64_t>(1e15));  // the client clamps
-  return es::Timeout(static_cast<int64_t>(ms));
-}
-
-py::str decode_key(const std::string& k) {
-  PyObject* s =
-      PyUnicode_DecodeUTF8(k.data(), static_cast<Py_ssize_t>(k.size()), "surrogateescape");
-  if (!s) throw py::error_already_set();
-  return py::reinterpret_steal<py::str>(s);
-}
-
-py::list key_list(const std::vector<std::string>& keys) {
-  py::list out(keys.size());
-  for (std::size_t i = 0; i < keys.size(); ++i) out[i] = decode_key(keys[i]);
-  return out;
-}
-
-py::dict stats_dict(const std::vector<std::pair<std::string, uint64_t>>& stats) {
-  py::dict d;
-  for (const auto& [name, value] : stats) d[decode_key(name)] = py::int_(value);
-  return d;
-}
-
-es::LogLevel parse_log_level(const std::string& s) {
-  if (s == "debug") return es::LogLevel::Debug;
-  if (s == "info") return es::LogLevel::Info;
-  if (s == "warning") return es::LogLevel::Warning;
-  if (s == "error") return es::LogLevel::Error;
-  if (s == "off") return es::LogLevel::Off;
-  throw py::value_error(
-      "log_level must be one of 'debug', 'info', 'warning', 'error', 'off', not '" + s + "'");
-}
 
 // ---- Server -----------------------------------------------------------------------------------
 class PyServer {
