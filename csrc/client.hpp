@@ -176,6 +176,7 @@ class Client {
   // the timeout sent to the server (kNoTimeout) or kNotBlocking for requests that never block.
   Writer begin_locked(Op op);
   Reply exchange_locked(Writer& w, Op op, uint32_t server_timeout_ms);
+  Reply wait_for_keys_locked(Op op, const std::vector<std::string>& keys, Timeout timeout);
   Reply read_reply_locked(uint32_t request_id, Clock::time_point deadline, Op op,
                           uint32_t server_timeout_ms, Clock::time_point sent_at);
 

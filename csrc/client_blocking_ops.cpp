@@ -33,6 +33,29 @@ std::string Client::get(std::string_view key, Timeout timeout) {
   return value;
 }
 
+// WAIT and MULTI_GET: sends the keys and turns a TIMEOUT reply into a TimeoutError naming the
+// keys still missing. Returns the OK reply, whose payload the caller decodes.
+Client::Reply Client::wait_for_keys_locked(Op op, const std::vector<std::string>& keys,
+                                           Timeout timeout) {
+  const uint32_t t = wire_timeout(timeout);
+  Writer w = begin_locked(op);
+  w.keys(keys);
+  w.u32(t);
+  const auto start = Clock::now();
+  Reply r = exchange_locked(w, op, t);
+  if (r.status == static_cast<uint8_t>(Status::Timeout)) {
+    Reader rd(r.payload);
+    std::vector<std::string> missing;
+    read_keys(rd, &missing);
+    finish_locked(rd, op);
+    throw TimeoutError(lower_op(op) + " timed out after " +
+                       fmt_seconds(seconds(Clock::now() - start)) + " for keys " +
+                       quote_list(keys) + " (missing: " + quote_list(missing) + ")");
+  }
+  expect_ok_locked(r, op, [&] { return quote_list(keys); });
+  return r;
+}
+
 void Client::wait(const std::vector<std::string>& keys, Timeout timeout) {
   check_keys(Op::Wait, keys);
   if (keys.empty()) {
@@ -40,23 +63,8 @@ void Client::wait(const std::vector<std::string>& keys, Timeout timeout) {
     return;
   }
   auto lock = lock_call();
-  const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(Op::Wait);
-  w.keys(keys);
-  w.u32(t);
-  const auto start = Clock::now();
-  const Reply r = exchange_locked(w, Op::Wait, t);
-  Reader rd(r.payload);
-  if (r.status == static_cast<uint8_t>(Status::Timeout)) {
-    std::vector<std::string> missing;
-    read_keys(rd, &missing);
-    finish_locked(rd, Op::Wait);
-    throw TimeoutError("wait timed out after " + fmt_seconds(seconds(Clock::now() - start)) +
-                       " for keys " + quote_list(keys) + " (missing: " + quote_list(missing) +
-                       ")");
-  }
-  expect_ok_locked(r, Op::Wait, [&] { return quote_list(keys); });
-  finish_locked(rd, Op::Wait);
+  const Reply r = wait_for_keys_locked(Op::Wait, keys, timeout);
+  finish_locked(Reader(r.payload), Op::Wait);
 }
 
 std::vector<std::string> Client::multi_get(const std::vector<std::string>& keys,
@@ -67,22 +75,8 @@ std::vector<std::string> Client::multi_get(const std::vector<std::string>& keys,
     return {};
   }
   auto lock = lock_call();
-  const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(Op::MultiGet);
-  w.keys(keys);
-  w.u32(t);
-  const auto start = Clock::now();
-  const Reply r = exchange_locked(w, Op::MultiGet, t);
+  const Reply r = wait_for_keys_locked(Op::MultiGet, keys, timeout);
   Reader rd(r.payload);
-  if (r.status == static_cast<uint8_t>(Status::Timeout)) {
-    std::vector<std::string> missing;
-    read_keys(rd, &missing);
-    finish_locked(rd, Op::MultiGet);
-    throw TimeoutError("multi_get timed out after " +
-                       fmt_seconds(seconds(Clock::now() - start)) + " for keys " +
-                       quote_list(keys) + " (missing: " + quote_list(missing) + ")");
-  }
-  expect_ok_locked(r, Op::MultiGet, [&] { return quote_list(keys); });
   const uint32_t n = rd.count(kMaxKeysPerRequest, 4);
   std::vector<std::string> values;
   values.reserve(n);
