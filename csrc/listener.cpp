@@ -56,7 +56,7 @@ int open_listener(const ServerConfig& cfg) {
   const int rc = ::getaddrinfo(cfg.host.empty() ? nullptr : cfg.host.c_str(), service.c_str(),
                                &hints, &res);
   if (rc != 0)
-    throw std::runtime_error("elasticstore: cannot resolve host '" + cfg.host +
+    throw std::runtime_error("cannot resolve host '" + cfg.host +
                              "' (numeric addresses or localhost only): " + ::gai_strerror(rc));
   int err = 0;
   int fd = -1;
@@ -79,7 +79,7 @@ int open_listener(const ServerConfig& cfg) {
   ::freeaddrinfo(res);
   if (fd < 0)
     throw std::system_error(err, std::generic_category(),
-                            "elasticstore: cannot listen on " + cfg.host + ":" + service);
+                            "cannot listen on " + cfg.host + ":" + service);
   return fd;
 }
 

@@ -57,7 +57,7 @@ class Server::Impl final : public ConnectionHost {
     if (!loop_->add(listen_fd_, kReadable, &Impl::on_accept, this)) {
       const int err = errno;
       close_fds();
-      throw std::system_error(err, std::generic_category(), "elasticstore: epoll_ctl(listen)");
+      throw std::system_error(err, std::generic_category(), "epoll_ctl(listen)");
     }
     loop_->set_before_sleep([this] { before_sleep(); });
     publish();
@@ -66,7 +66,7 @@ class Server::Impl final : public ConnectionHost {
 
   void start() {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stopped_) throw std::runtime_error("elasticstore: a stopped Server cannot be restarted");
+    if (stopped_) throw std::runtime_error("a stopped Server cannot be restarted");
     if (thread_.joinable()) return;
     running_ = true;
     thread_ = std::thread([this] { run(); });

@@ -151,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _serve(args) if args.command == "server" else _client(args)
-    except (OSError, RuntimeError, ValueError) as exc:  # store and network errors included
+    except OSError as exc:  # bind/listen failures: OSError(errno, message) without "[Errno N]"
+        print(f"elasticstore: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError) as exc:  # store and network errors included
         print(f"elasticstore: {exc}", file=sys.stderr)
         return 1
 
