@@ -141,8 +141,8 @@ def _client(args: argparse.Namespace) -> int:
             for key in store.list_keys(args.prefix):
                 print(key)
         else:
-            for name, value in sorted(store.stats().items()):
-                print(f"{name} {value}")
+            for name, count in sorted(store.stats().items()):
+                print(f"{name} {count}")
     sys.stdout.flush()
     return 0
 

@@ -77,6 +77,10 @@ class Store(dist.Store):
     usable; lost connections raise :class:`~elasticstore.StoreNetworkError`.
     """
 
+    if TYPE_CHECKING:
+        # torch's C++ property (read per call, see set_timeout); torch's stub does not declare it.
+        timeout: timedelta
+
     def __init__(
         self,
         host: str,
