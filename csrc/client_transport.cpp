@@ -311,6 +311,9 @@ void ClientTransport::drop_consumed() {
 
 bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, const char* name) {
   if (rbuf_.size() < want) rbuf_.resize(std::max(want, rbuf_.size() * 2));
+  // A reply is rarely there the moment a request went out: wait first rather than spend a recv
+  // on EAGAIN.
+  if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
   for (;;) {
     const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, MSG_DONTWAIT);
     if (n > 0) {
