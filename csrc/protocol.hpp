@@ -34,8 +34,10 @@ inline constexpr uint32_t kFrameTimeoutMs = 30'000;
 inline constexpr std::size_t kMaxClientNameBytes = 256;
 inline constexpr std::size_t kDefaultMaxConnections = 65'536;
 // Watch history: recent changes kept so that a watcher never misses one between two watches.
+// It must cover how far a watcher lags behind writers, not the data: a watcher further behind
+// gets COMPACTED and re-reads. The byte bound keeps a store of large values from doubling.
 inline constexpr std::size_t kWatchHistoryEvents = 65'536;
-inline constexpr std::size_t kWatchHistoryBytes = 64 * 1024 * 1024;
+inline constexpr std::size_t kWatchHistoryBytes = 16 * 1024 * 1024;
 
 inline constexpr uint32_t kNoTimeout = 0xFFFFFFFFu;
 inline constexpr uint64_t kWatchFromNow = 0xFFFFFFFFFFFFFFFFull;
