@@ -65,6 +65,9 @@ def connect(spec: dict[str, Any]) -> dist.Store:
         return dist.PrefixStore(spec["prefix"], tcp)
     import elasticstore
 
+    if kind == "etcd":
+        return elasticstore.EtcdStore(spec["endpoints"], prefix=spec["prefix"], timeout=timeout,
+                                      lease_ttl=spec.get("lease_ttl", 5.0))
     store = elasticstore.Store(spec["host"], spec["port"], timeout=timeout)
     if kind == "elasticstore":
         return store
@@ -135,6 +138,33 @@ def _open_tcpstore_client_on_elasticstore(prefix: str | None = None) -> Iterator
         yield Opened(KINDS_BY_NAME[name], client(), client, spec, server)
 
 
+@contextlib.contextmanager
+def _open_etcd() -> Iterator[Opened]:
+    """EtcdStore on one shared etcd member (started on first use, see ``etcd_cluster``); each
+    test gets a prefix of its own, so tests never see each other's keys."""
+    import uuid
+
+    import elasticstore
+    from etcd_cluster import shared
+
+    endpoints = shared().endpoints
+    prefix = f"/conformance/{uuid.uuid4().hex}"
+    clients: list[Any] = []
+
+    def client() -> dist.Store:
+        store = elasticstore.EtcdStore(endpoints, prefix=prefix, timeout=DEFAULT_TIMEOUT)
+        clients.append(store)
+        return store
+
+    spec = {"kind": "etcd", "endpoints": endpoints, "prefix": prefix,
+            "timeout": DEFAULT_TIMEOUT.total_seconds()}
+    try:
+        yield Opened(KINDS_BY_NAME["etcd"], client(), client, spec)
+    finally:
+        for store in clients:
+            store.close()
+
+
 KINDS: list[StoreKind] = [
     StoreKind("elasticstore", _open_elasticstore),
     StoreKind(
@@ -176,5 +206,7 @@ KINDS: list[StoreKind] = [
             "the connection on a failed add, as torch's own server does",
         },
     ),
+    # EtcdStore on a real etcd (the same API over etcd v3 transactions, watches and leases).
+    StoreKind("etcd", _open_etcd),
 ]
 KINDS_BY_NAME = {kind.name: kind for kind in KINDS}

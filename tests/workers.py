@@ -142,6 +142,46 @@ def gloo(mode: str, rank: int, world_size: int, addr: str) -> str:
     return f"rank {rank} ok"
 
 
+@task
+def gloo_etcd(rank: int, world_size: int, endpoints: list[str], prefix: str) -> str:
+    """A gloo group on an EtcdStore handed to torch with no reference kept (keep-alive case):
+    all_reduce on the default group, on ``new_group()`` and on a pair, then barriers."""
+    import gc
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import elasticstore
+
+    timeout = timedelta(seconds=60)
+    dist.init_process_group(
+        "gloo",
+        store=elasticstore.EtcdStore(endpoints, prefix=prefix, timeout=timeout),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    gc.collect()
+    expected = world_size * (world_size + 1) / 2
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == expected, t
+    group = dist.new_group()  # calls back into the (parked) store from C++
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t, group=group)
+    assert t.item() == expected, t
+    pair = dist.new_group(ranks=[0, 1])
+    if rank in (0, 1):
+        t = torch.tensor([1.0])
+        dist.all_reduce(t, group=pair)
+        assert t.item() == 2.0, t
+    dist.barrier()
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+    return f"rank {rank} ok"
+
+
 def main() -> None:
     name, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)

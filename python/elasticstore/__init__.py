@@ -1,10 +1,13 @@
 """elasticstore: a native TCP key-value store for PyTorch distributed jobs.
 
-``Store`` is a ``torch.distributed.Store``; ``StoreServer`` runs the native server in this
+``Store`` is a ``torch.distributed.Store``; ``EtcdStore`` the same API on etcd v3 (the
+``elasticstore[etcd]`` extra, imported on first use); ``StoreServer`` runs the native server in this
 process; ``import elasticstore`` also registers the ``elasticstore://`` init_method scheme.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from . import _C
 from .errors import StoreError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
@@ -12,7 +15,10 @@ from .init_method import register as _register_init_method
 from .server import ServerConfig, StoreServer
 from .store import Store, WatchEvent
 
-__all__ = [
+if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported on first use
+    from .etcd_store import EtcdStore
+
+__all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never needs etcd3
     "ServerConfig",
     "Store",
     "StoreError",
@@ -34,3 +40,17 @@ _C._set_error_types(
     compacted=WatchCompactedError,
 )
 _register_init_method()
+
+
+def __getattr__(name: str) -> object:
+    # EtcdStore is imported on first use: ``import elasticstore`` never imports etcd3 or grpc;
+    # without the extra, using it raises ImportError naming ``pip install elasticstore[etcd]``.
+    if name == "EtcdStore":
+        from .etcd_store import EtcdStore
+
+        return EtcdStore
+    raise AttributeError(f"module 'elasticstore' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "EtcdStore"])

@@ -1,0 +1,418 @@
+"""``elasticstore.EtcdStore``: the Store API over etcd v3 (install ``elasticstore[etcd]``).
+
+Layout, all under ``prefix`` (prefixes of two jobs must not nest, one a path prefix of the other)::
+
+    {prefix}/kv/{key}              user keys (num_keys and list_keys count only these)
+    {prefix}/q/{key}\\0{uuid}        queue items, ordered by their etcd create revision
+    {prefix}/sys/barrier/{key}     a barrier's arrival counter (never bound to a lease)
+    {prefix}/sys/op/{store id}     this store's operation marker (bound to its lease)
+
+Semantics (the mechanics are in ``_etcd_txn``):
+
+- ``add``, ``append``, ``compare_set``, ``delete_key``, barrier arrivals and queue pops are
+  read-modify-write transactions compared on ``mod_revision``, retried while the key changes
+  (bounded by the timeout), and applied exactly once even when a reply is lost and the call is
+  retried on another member: a call that returns applied once; one that raises
+  ``StoreNetworkError`` did not apply, unless an attempt's late commit raced the deadline.
+- ``get``, ``wait``, ``multi_get``, ``barrier`` and a blocking ``queue_pop`` read (revision R)
+  and watch the missing keys from R+1: no update between the read and the watch is missed.
+- ``set(..., ephemeral=True)`` binds the key to one lease per store (TTL ``lease_ttl``, default
+  5 s), refreshed every TTL/3 by a daemon thread and revoked on ``close``: the key vanishes at
+  close, or within the TTL when the owner dies.
+- ``barrier(key, n)``: a monotonic arrival counter; arrival number ``a`` (1, 2, ...) belongs to
+  generation ``g = (a - 1) // n`` and is released when the counter reaches ``(g + 1) * n``. The
+  barrier is reusable; every participant must pass the same ``n``; an arrival that timed out
+  stays counted (there is no withdrawal), as with a participant that left.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+try:
+    import grpc  # noqa: F401 (the extra's other half)
+    from etcd3 import etcdrpc
+except ImportError as exc:  # pragma: no cover (exercised without the extra)
+    raise ImportError(
+        f"EtcdStore needs the etcd client ({exc}): pip install elasticstore[etcd]"
+    ) from exc
+
+from ._etcd_client import Connection, LeaseKeeper
+from ._etcd_txn import (
+    _DELETE, _GONE, _PUT, EtcdTxnMixin, Key, Timeout, Value, _b, _deadline, _range_end,
+    _Reread,
+)
+from .errors import StoreError, StoreTimeoutError, WatchCompactedError
+from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
+
+__all__ = ["EtcdStore"]
+
+
+class EtcdStore(EtcdTxnMixin, dist.Store):
+    """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`.
+
+    ``endpoints``: ``"host:port"`` strings (or one comma-separated string); on a network error
+    the store moves to the next one, bounded by the timeout. ``ca_cert`` (and ``cert``/``key``
+    for client authentication) switch to TLS; ``user``/``password`` to etcd auth.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Iterable[str],
+        *,
+        prefix: str = "/elasticstore",
+        timeout: timedelta = _DEFAULT_TIMEOUT,
+        lease_ttl: timedelta | float = timedelta(seconds=5),
+        connect_timeout: timedelta | None = None,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._closed = True  # until connected: a store that failed to connect is never parked
+        if isinstance(endpoints, str):
+            endpoints = endpoints.split(",")
+        eps = [e.strip().split("://", 1)[-1].rstrip("/") for e in endpoints if e.strip()]
+        if not eps:
+            raise ValueError("EtcdStore needs at least one endpoint 'host:port'")
+        self._endpoints = eps
+        self._prefix = prefix.rstrip("/")
+        base = self._prefix.encode()
+        self._kv, self._q, self._sys = base + b"/kv/", base + b"/q/", base + b"/sys/"
+        self._ttl = lease_ttl.total_seconds() if isinstance(lease_ttl, timedelta) else lease_ttl
+        self._connect_timeout = connect_timeout
+        self._tls = {"ca_cert": ca_cert, "cert": cert, "key": key}
+        self._auth = {"user": user, "password": password}
+        self._lock = threading.Lock()
+        self._init_marker(self._sys + b"op/" + uuid.uuid4().hex.encode())
+        self._session: tuple[Connection, LeaseKeeper] | None = None
+        self.set_timeout(timeout)
+        self._session = self._open()
+        self._closed = False
+
+    # -- connection, lease, keep-alive -----------------------------------------------------------
+
+    def _open(self) -> tuple[Connection, LeaseKeeper]:
+        conn = Connection(self._endpoints, **self._tls, **self._auth)
+        budget = self._connect_timeout if self._connect_timeout is not None else self.timeout
+        try:
+            conn.call(
+                lambda ch, md, t: etcdrpc.MaintenanceStub(ch).Status(
+                    etcdrpc.StatusRequest(), timeout=t, metadata=md
+                ),
+                _deadline(budget), "connect",
+            )
+        except BaseException:
+            conn.close()
+            raise
+        return conn, LeaseKeeper(conn, self._ttl)
+
+    def _s(self) -> tuple[Connection, LeaseKeeper]:
+        session = self._session
+        if session is not None:
+            return session
+        with self._lock:  # parked (see store._PARKED): reconnect on the first call
+            if self._closed:
+                raise StoreError(f"{self!r} is closed")
+            if self._session is None:
+                self._session = self._open()
+            return self._session
+
+    def _c(self) -> Connection:
+        return self._s()[0]
+
+    def close(self) -> None:
+        """Revokes the lease (ephemeral keys vanish now) and closes the channels. Idempotent."""
+        with self._lock:
+            self._closed = True
+            session, self._session = self._session, None
+        _PARKED.discard(self)
+        if session is not None:
+            session[1].stop(wait=True)
+            session[0].close()
+
+    def __del__(self) -> None:
+        try:
+            if self._closed:
+                return
+            session, self._session = self._session, None
+            _PARKED.add(self)  # resurrects self: torch's C++ side may still call it (see store.py)
+            if session is not None:
+                session[1].stop(wait=False)  # its thread revokes the lease; channels close later
+        except Exception:  # interpreter shutdown: module globals may be gone
+            pass
+
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"elasticstore.EtcdStore({','.join(self._endpoints)!r}, {self._prefix!r}, {state})"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a timedelta, got {type(timeout).__name__}")
+        super().set_timeout(timeout)
+
+    def _op_deadline(self) -> float | None:
+        return _deadline(self.timeout)
+
+    def _k(self, key: Key) -> bytes:
+        return self._kv + _b(key)
+
+    def _name(self, full: bytes) -> str:
+        for base in (self._kv, self._sys, self._q):
+            if full.startswith(base):
+                return full[len(base):].decode("utf-8", "replace")
+        return full.decode("utf-8", "replace")
+
+    # -- the torch.distributed.Store API -------------------------------------------------------
+
+    def set(self, key: Key, value: Value, ephemeral: bool = False) -> None:  # type: ignore[override]
+        """Sets ``key``; ``ephemeral=True`` binds it to this store's lease: it is deleted at
+        ``close`` or within the lease TTL after the owner died."""
+        conn, keeper = self._s()
+        deadline = self._op_deadline()
+        while True:
+            lease = keeper.lease_id(deadline) if ephemeral else 0
+            request = etcdrpc.PutRequest(key=self._k(key), value=_b(value), lease=lease)
+            try:
+                conn.kv("Put", request, deadline, "set")
+                return
+            except StoreError as exc:
+                if not (ephemeral and "lease not found" in str(exc)):
+                    raise
+                keeper.lost(lease)
+
+    def get(self, key: Key) -> bytes:  # type: ignore[override]
+        """Blocks until ``key`` exists or the store's timeout passes."""
+        k = self._k(key)
+        return self._wait([k], lambda kvs: k in kvs, None, "get")[k].value
+
+    def try_get(self, key: Key) -> bytes | None:
+        """The value, or None when the key is missing. Never blocks."""
+        k = self._k(key)
+        kvs, _ = self._read([k], self._op_deadline(), "try_get")
+        return kvs[k].value if k in kvs else None
+
+    def add(self, key: Key, amount: int) -> int:  # type: ignore[override]
+        amount = int(amount)
+
+        def decide(kv: Any) -> tuple[tuple[Any, ...], int]:
+            raw = kv.value if kv is not None else b"0"
+            try:
+                now = int(raw) + amount
+            except ValueError:
+                raise StoreError(f"add: value of {key!r} is not an integer: {raw[:40]!r}") from None
+            return ("put", str(now).encode()), now
+
+        return self._rmw(self._k(key), decide, "add")[0]
+
+    def compare_set_ex(self, key: Key, expected: Value, desired: Value, *,
+                       ephemeral: bool = False) -> tuple[bool, bytes | None]:
+        """``(swapped, value now stored or None when the key is missing)``. An empty
+        ``expected`` matches a missing key (creates it)."""
+        exp, want = _b(expected), _b(desired)
+
+        def decide(kv: Any) -> tuple[tuple[Any, ...] | None, tuple[bool, bytes | None]]:
+            if kv is None:
+                return (("put", want), (True, want)) if exp == b"" else (None, (False, None))
+            if kv.value == exp:
+                return ("put", want), (True, want)
+            return None, (False, kv.value)
+
+        return self._rmw(self._k(key), decide, "compare_set", lease_key=ephemeral)[0]
+
+    def compare_set(self, key: Key, expected: Value, desired: Value) -> bytes:  # type: ignore[override]
+        """torch's contract: the value now stored (``desired`` when it swapped), or ``expected``
+        when the key is missing and nothing was set. See :meth:`compare_set_ex`."""
+        _, value = self.compare_set_ex(key, expected, desired)
+        return value if value is not None else _b(expected)
+
+    def wait(self, keys: list[Key], timeout: Timeout = None) -> None:  # type: ignore[override]
+        full = [self._k(k) for k in keys]
+        self._wait(full, lambda kvs: all(k in kvs for k in full), timeout, "wait")
+
+    def check(self, keys: list[Key]) -> bool:  # type: ignore[override]
+        full = [self._k(k) for k in keys]
+        kvs, _ = self._read(full, self._op_deadline(), "check")
+        return all(k in kvs for k in full)
+
+    def num_keys(self) -> int:
+        request = etcdrpc.RangeRequest(key=self._kv, range_end=_range_end(self._kv),
+                                       count_only=True)
+        return int(self._c().kv("Range", request, self._op_deadline(), "num_keys").count)
+
+    def getNumKeys(self) -> int:  # noqa: N802 (torch's C++ name)
+        return self.num_keys()
+
+    def delete_key(self, key: Key) -> bool:  # type: ignore[override]
+        return self._rmw(self._k(key), lambda kv: (("delete",), True) if kv is not None
+                         else (None, False), "delete_key")[0]
+
+    def deleteKey(self, key: Key) -> bool:  # noqa: N802 (torch's C++ name)
+        return self.delete_key(key)
+
+    def clone(self) -> EtcdStore:
+        """A new store (own channels and lease) with the same settings (for another thread)."""
+        return EtcdStore(self._endpoints, prefix=self._prefix, timeout=self.timeout,
+                         lease_ttl=self._ttl, connect_timeout=self._connect_timeout,
+                         **self._tls, **self._auth)
+
+    def append(self, key: Key, value: Value) -> None:  # type: ignore[override]
+        tail = _b(value)
+        self._rmw(self._k(key), lambda kv: (
+            ("put", (kv.value if kv is not None else b"") + tail), None), "append")
+
+    def multi_get(self, keys: list[Key]) -> list[bytes]:  # type: ignore[override]
+        """Blocks until every key exists or the store's timeout passes."""
+        full = [self._k(k) for k in keys]
+        if not full:
+            return []
+        kvs = self._wait(full, lambda kvs: all(k in kvs for k in full), None, "multi_get")
+        return [kvs[k].value for k in full]
+
+    def multi_set(self, keys: list[Key], values: list[Value]) -> None:  # type: ignore[override]
+        """Sets every key in one transaction."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        puts = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._k(k), value=_b(v)))
+                for k, v in zip(keys, values)]
+        self._txn(self._op_deadline(), "multi_set", success=puts)
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def list_keys(self, prefix: Key = "") -> list[str]:  # type: ignore[override]
+        """Keys starting with ``prefix``, sorted."""
+        start = self._k(prefix)
+        request = etcdrpc.RangeRequest(key=start, range_end=_range_end(start), keys_only=True)
+        reply = self._c().kv("Range", request, self._op_deadline(), "list_keys")
+        return sorted(self._name(kv.key) for kv in reply.kvs)
+
+    def barrier(self, key: Key, world_size: int, timeout: Timeout = None) -> int:  # type: ignore[override]
+        """Blocks until ``world_size`` participants reached barrier ``key``; returns the
+        generation released (0, 1, 2, ...; reusable). See the module doc."""
+        n = int(world_size)
+        if n < 1:
+            raise ValueError("barrier: world_size must be >= 1")
+        counter = self._sys + b"barrier/" + _b(key)
+
+        def arrive(kv: Any) -> tuple[tuple[Any, ...], int]:
+            now = int(kv.value if kv is not None else b"0") + 1
+            return ("put", str(now).encode()), now
+
+        arrival, _ = self._rmw(counter, arrive, "barrier")
+        generation = (arrival - 1) // n
+        target = (generation + 1) * n
+        if arrival < target:
+            self._wait([counter], lambda kvs: counter in kvs and int(kvs[counter].value) >= target,
+                       timeout, f"barrier(generation {generation}, {n} participants)")
+        return generation
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def _qkey(self, key: Key) -> bytes:
+        return self._q + _b(key) + b"\x00"
+
+    def queue_push(self, key: Key, value: Value) -> None:  # type: ignore[override]
+        """Appends ``value`` (an item key of its own: a retried push cannot duplicate it)."""
+        item = self._qkey(key) + uuid.uuid4().hex.encode()
+        self._c().kv("Put", etcdrpc.PutRequest(key=item, value=_b(value)), self._op_deadline(),
+                     "queue_push")
+
+    def queue_len(self, key: Key) -> int:  # type: ignore[override]
+        base = self._qkey(key)
+        request = etcdrpc.RangeRequest(key=base, range_end=_range_end(base), count_only=True)
+        return int(self._c().kv("Range", request, self._op_deadline(), "queue_len").count)
+
+    def queue_pop(self, key: Key, block: bool = True, timeout: Timeout = None) -> bytes:  # type: ignore[override]
+        """Pops the oldest value (a transaction deleting the oldest item). Blocking (the
+        default) waits up to ``timeout``; otherwise raises ``QueueEmptyError`` at once."""
+        base = self._qkey(key)
+        timeout = self.timeout if timeout is None else timeout
+        deadline, start = _deadline(timeout), time.monotonic()
+        R = etcdrpc.RangeRequest
+        while True:
+            request = R(key=base, range_end=_range_end(base), limit=1,
+                        sort_order=R.ASCEND, sort_target=R.CREATE)
+            reply = self._c().kv("Range", request, deadline, "queue_pop")
+            if reply.kvs:
+                popped, _ = self._rmw(reply.kvs[0].key, lambda kv: (
+                    (("delete",), kv.value) if kv is not None else (None, _GONE)), "queue_pop")
+                if popped is not _GONE:
+                    return popped
+                continue
+            if not block:
+                raise dist.QueueEmptyError(f"queue {key!r} is empty")
+            create = etcdrpc.WatchCreateRequest(key=base, range_end=_range_end(base),
+                                                start_revision=reply.header.revision + 1)
+            try:
+                for events in self._stream([create], deadline):
+                    if any(ev.type == _PUT for ev in events):
+                        break
+            except (_Reread, WatchCompactedError):
+                continue
+            except StoreTimeoutError:
+                raise StoreTimeoutError(
+                    f"EtcdStore.queue_pop: queue {key!r} empty after "
+                    f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
+
+    # -- watch -----------------------------------------------------------------------------------
+
+    def watch(self, key: Key, after_version: int | None = None, timeout: Timeout = None,
+              prefix: bool = False) -> WatchEvent:
+        """The first change to ``key`` (or, with ``prefix``, any key starting with it) after
+        ``after_version`` (an etcd revision; None: after now), waiting up to ``timeout``.
+        ``version`` of the event is the etcd ``mod_revision``. Raises
+        :class:`~elasticstore.WatchCompactedError` when etcd compacted those revisions."""
+        full = self._k(key)
+        timeout = self.timeout if timeout is None else timeout
+        deadline, start = _deadline(timeout), time.monotonic()
+        if after_version is None:
+            after_version = self._read([], deadline, "watch")[1]
+        end = _range_end(full) if prefix else b""
+        create = etcdrpc.WatchCreateRequest(key=full, range_end=end,
+                                            start_revision=int(after_version) + 1)
+        while True:
+            try:
+                for events in self._stream([create], deadline):
+                    ev = events[0]
+                    kind = "delete" if ev.type == _DELETE else "set"
+                    return WatchEvent(kind, self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision)
+            except _Reread:
+                continue
+            except WatchCompactedError as exc:
+                raise WatchCompactedError(
+                    f"EtcdStore.watch: revisions after {after_version} of {key!r} were compacted",
+                    exc.oldest_revision) from None
+            except StoreTimeoutError:
+                raise StoreTimeoutError(
+                    f"EtcdStore.watch: no change of {key!r} after version {after_version} in "
+                    f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
+
+    def ping(self) -> None:
+        self._read([], self._op_deadline(), "ping")
+
