@@ -276,7 +276,8 @@ def test_cluster_failover_follower_then_leader() -> None:
 def test_ephemeral_key_of_a_killed_owner_vanishes_within_its_ttl(
     store: elasticstore.EtcdStore, etcd: etcd_cluster.Cluster, prefix: str
 ) -> None:
-    ttl = 2.0
+    ttl = 3.0  # the owner renews every ttl/3: room for a loaded machine to schedule it late
+    slack = 2.0  # etcd checks lease expiry in rounds; the watch reports the delete after that
     spec = {"kind": "etcd", "endpoints": etcd.endpoints, "prefix": prefix, "timeout": 30.0,
             "lease_ttl": ttl}
     child = procs.spawn("hold_ephemeral", spec, "owned", "ready")
@@ -295,7 +296,7 @@ def test_ephemeral_key_of_a_killed_owner_vanishes_within_its_ttl(
         procs.kill_all([child])
     assert gone.kind == "delete"
     print(f"ephemeral key gone {elapsed:.2f}s after SIGKILL (TTL {ttl}s)")
-    assert elapsed <= ttl + 1.5, f"gone {elapsed:.2f}s after SIGKILL (TTL {ttl}s)"
+    assert elapsed <= ttl + slack, f"gone {elapsed:.2f}s after SIGKILL (TTL {ttl}s)"
 
 
 def test_ephemeral_keys_go_at_close_and_compare_set_ex_ephemeral(

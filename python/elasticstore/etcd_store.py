@@ -400,8 +400,10 @@ class EtcdStore(EtcdTxnMixin, dist.Store):
             try:
                 for events in self._stream([create], deadline):
                     ev = events[0]
-                    kind = "delete" if ev.type == _DELETE else "set"
-                    return WatchEvent(kind, self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision)
+                    name, value, version = self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision
+                    if ev.type == _DELETE:
+                        return WatchEvent("delete", name, value, version)
+                    return WatchEvent("set", name, value, version)
             except _Reread:
                 continue
             except WatchCompactedError as exc:

@@ -64,7 +64,7 @@ class WatchEvent:
 # hosts, see ``init_method``) until ``close()`` or exit: the least that keeps torch's calls working.
 # (set.add/discard are atomic under the GIL: no lock, so a finalizer run by the cyclic GC at any
 # allocation can never deadlock on one.)
-_PARKED: set[Store] = set()
+_PARKED: set[dist.Store] = set()  # elasticstore.Store and EtcdStore
 
 
 class Store(dist.Store):
