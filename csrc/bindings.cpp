@@ -57,6 +57,7 @@ std::unique_ptr<es::Client> make_client(const std::string& host, int port, doubl
   options.connect_timeout = to_timeout(connect_timeout);
   options.client_name = client_name;
   options.interrupt_check = python_interrupt_check;
+  options.interruptible = python_interruptible;
   return call_blocking(
       [&] { return std::make_unique<es::Client>(host, static_cast<uint16_t>(port), options); });
 }

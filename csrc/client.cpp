@@ -87,7 +87,8 @@ Client::Client(std::string host, uint16_t port, ClientOptions options)
   }
   std::random_device rd;
   rng_.seed(rd());
-  conn_ = std::make_unique<ClientTransport>(host_, port_, options_.interrupt_check, [this] {
+  conn_ = std::make_unique<ClientTransport>(host_, port_, options_.interrupt_check,
+                                            options_.interruptible, [this] {
     connected_ = false;
     session_id_ = 0;
   });

@@ -81,6 +81,10 @@ struct ClientOptions {
   // and throws InterruptedError. Called without any lock of the client held by the caller thread
   // other than the client's own call mutex.
   std::function<bool()> interrupt_check;
+  // Whether the calling thread can be interrupted at all, asked once per wait (e.g. only the
+  // main thread takes signals in Python). Where it returns false, waits are not sliced, so a
+  // thousand threads blocked in wait() do not each wake ten times a second. Unset: always.
+  std::function<bool()> interruptible;
 };
 
 inline constexpr int kInterruptPollMs = 100;

@@ -83,10 +83,12 @@ constexpr int kKeepIdleS = 30, kKeepIntervalS = 5, kKeepCount = 6;
 
 ClientTransport::ClientTransport(std::string host, uint16_t port,
                                  const std::function<bool()>& interrupt_check,
+                                 const std::function<bool()>& interruptible,
                                  std::function<void()> on_close)
     : host_(std::move(host)),
       port_(port),
       interrupt_check_(interrupt_check),
+      interruptible_(interruptible),
       on_close_(std::move(on_close)) {
   std::random_device rd;
   rng_.seed(rd());
@@ -247,6 +249,7 @@ bool ClientTransport::idle_alive() {
 
 bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const char* doing,
                               const char* what) {
+  const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());
   for (;;) {
     int timeout_ms = -1;
     if (deadline != Clock::time_point::max()) {
@@ -255,7 +258,7 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
       const auto rem = std::chrono::ceil<milliseconds>(deadline - now).count();
       timeout_ms = static_cast<int>(std::min<int64_t>(rem, INT_MAX));
     }
-    if (interrupt_check_) {
+    if (check_interrupts) {
       timeout_ms = timeout_ms < 0 ? kInterruptPollMs : std::min(timeout_ms, kInterruptPollMs);
     }
     pollfd pfds[2] = {{wake_fd_, POLLIN, 0}, {fd_, events, 0}};
@@ -269,7 +272,7 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
     }
     // POLLERR/POLLHUP count as ready: the next send/recv reports the error.
     if (n > 0 && nfds == 2 && pfds[1].revents) return true;
-    if (interrupt_check_ && interrupt_check_()) {
+    if (check_interrupts && interrupt_check_()) {
       close_fd();
       throw InterruptedError(endpoint() + ": interrupted while " + doing + (*what ? " " : "") +
                              what + "; connection closed");

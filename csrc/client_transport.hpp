@@ -39,10 +39,11 @@ class ClientTransport {
  public:
   using Clock = client_detail::Clock;
 
-  // host is numeric or a name (no brackets). interrupt_check must outlive the transport.
-  // on_close runs whenever the socket is dropped, so that the caller's session state follows.
+  // host is numeric or a name (no brackets). interrupt_check and interruptible (see
+  // ClientOptions) must outlive the transport. on_close runs whenever the socket is dropped, so
+  // that the caller's session state follows.
   ClientTransport(std::string host, uint16_t port, const std::function<bool()>& interrupt_check,
-                  std::function<void()> on_close);
+                  const std::function<bool()>& interruptible, std::function<void()> on_close);
   ~ClientTransport();
   ClientTransport(const ClientTransport&) = delete;
   ClientTransport& operator=(const ClientTransport&) = delete;
@@ -83,6 +84,7 @@ class ClientTransport {
   const std::string host_;
   const uint16_t port_;
   const std::function<bool()>& interrupt_check_;
+  const std::function<bool()>& interruptible_;
   const std::function<void()> on_close_;
   int fd_ = -1;
   int wake_fd_ = -1;  // eventfd signalled by signal_close() to abort a call in progress

@@ -65,6 +65,8 @@ void translate_exception(std::exception_ptr p) {
 thread_local InterruptSlot* tl_slot = nullptr;
 unsigned long g_main_thread_ident = 0;
 
+bool python_interruptible() { return tl_slot != nullptr; }
+
 bool python_interrupt_check() {
   InterruptSlot* slot = tl_slot;
   if (slot == nullptr) return false;

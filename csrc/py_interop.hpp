@@ -43,8 +43,10 @@ struct InterruptSlot {
 extern thread_local InterruptSlot* tl_slot;
 extern unsigned long g_main_thread_ident;  // set by the module init: signals go to the main thread
 
-// The client's interrupt check for main-thread calls (see above).
+// The client's interrupt check for main-thread calls (see above), and whether this thread's
+// call can be interrupted at all (it has a slot: other threads' waits are not sliced).
 bool python_interrupt_check();
+bool python_interruptible();
 
 template <typename F>
 auto call_blocking(F&& f) -> decltype(f()) {
