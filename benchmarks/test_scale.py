@@ -2,13 +2,17 @@
 
 import pytest
 
-import measures
+import groups
+import machine
+import memory
+import throughput
 
 
+@pytest.mark.section("throughput")
 def test_throughput(benchmark, peer, fresh_server, sizes, tput_clients):
     benchmark.group = f"throughput {tput_clients} clients"
     st = benchmark.pedantic(
-        measures.throughput, args=(peer.name, fresh_server, tput_clients, sizes, "pytest/tput"),
+        throughput.throughput, args=(peer.name, fresh_server, tput_clients, sizes, "pytest/tput"),
         rounds=1, iterations=1,
     )
     assert st["ops"] > 0
@@ -20,7 +24,7 @@ def test_throughput(benchmark, peer, fresh_server, sizes, tput_clients):
 def _group(benchmark, fn, peer, srv, n, kind, sizes, label):
     if kind not in peer.barriers:
         pytest.skip(f"{peer.name} has no {kind} barrier")
-    why = measures.fd_room(n, sizes)
+    why = machine.fd_room(n, sizes)
     if why:
         pytest.skip(why)
     benchmark.group = f"{label} {n}"
@@ -30,19 +34,23 @@ def _group(benchmark, fn, peer, srv, n, kind, sizes, label):
     benchmark.extra_info.update(r)
 
 
+@pytest.mark.section("storm")
 def test_connect_storm(benchmark, peer, fresh_server, sizes, storm_clients, barrier_kind):
-    _group(benchmark, measures.connect_storm, peer, fresh_server, storm_clients, barrier_kind,
+    _group(benchmark, groups.connect_storm, peer, fresh_server, storm_clients, barrier_kind,
            sizes, "connect storm")
 
 
+@pytest.mark.section("barrier")
 def test_barrier(benchmark, peer, fresh_server, sizes, barrier_size, barrier_kind):
-    _group(benchmark, measures.barrier_time, peer, fresh_server, barrier_size, barrier_kind,
+    _group(benchmark, groups.barrier_time, peer, fresh_server, barrier_size, barrier_kind,
            sizes, "barrier")
 
 
 def test_memory(benchmark, peer, sizes):
+    if peer.skip("memory"):
+        pytest.skip(peer.skip("memory"))
     if not peer.measure_memory:
         pytest.skip(f"{peer.name} shares its server with another row")
     benchmark.group = "server memory"
-    mm = benchmark.pedantic(measures.memory, args=(peer.name, sizes), rounds=1, iterations=1)
+    mm = benchmark.pedantic(memory.memory, args=(peer.name, sizes), rounds=1, iterations=1)
     benchmark.extra_info.update({k: v for k, v in mm.items()})

@@ -16,7 +16,7 @@ import struct
 import time
 import traceback
 
-import peers
+import procs
 
 pc = time.perf_counter_ns
 
@@ -50,7 +50,7 @@ def fork_child(fn, *args) -> tuple[int, int]:
         code = 0
         try:
             os.close(r)
-            peers.set_pdeathsig()
+            procs.set_pdeathsig()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             fn(w, *args)
@@ -64,7 +64,7 @@ def fork_child(fn, *args) -> tuple[int, int]:
         finally:
             os._exit(code)
     os.close(w)
-    peers._CHILDREN.add(pid)
+    procs._CHILDREN.add(pid)
     return pid, r
 
 
@@ -75,7 +75,7 @@ def reap(pid: int, kill: bool = False) -> None:
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass
-    peers._CHILDREN.discard(pid)
+    procs._CHILDREN.discard(pid)
 
 
 class ChildFailed(RuntimeError):
