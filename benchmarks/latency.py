@@ -8,6 +8,7 @@ import time
 
 from measures import VALUE, Sizes, pc, summarize
 from peers import PEERS
+from procs import pin_threads
 from workers import ChildFailed, _read_exact, fork_child, reap
 
 OPS = ("set", "get", "try_get", "add", "compare_set", "check", "multi_get", "wait")
@@ -108,10 +109,30 @@ def _recv_rest_error(r, deadline):
     raise ChildFailed(_read_exact(r, n, deadline).decode(errors="replace"))
 
 
+# Latency runs with the measuring process, its forked clients and every server on one CPU. A
+# loopback round trip whose two ends sit on different CPUs pays a cross-CPU wake-up, and on a
+# VM that cost is large and shifts with the host (15 us to 75 us for the same ping-pong here),
+# so unpinned samples mix two states at random; pinned, every peer is measured in the same one
+# (like the ping-pong's one-CPU mode). Throughput and the storms stay unpinned.
+LATENCY_CPU = 0
+
+
 def op_latencies(servers: dict, sz: Sizes, rounds: int = 4, prefix: str = "lat") -> dict:
     """p50/p99/mean of every op of every peer (name -> server), one client, one connection
-    each. The peers take turns: each op runs in `rounds` slices, in rotating peer order, so
-    that noise from other work on the machine falls on every peer alike."""
+    each, all on LATENCY_CPU. The peers take turns: each op runs in `rounds` slices, in
+    rotating peer order, so that noise from other work on the machine falls on every peer
+    alike."""
+    before = os.sched_getaffinity(0)
+    try:
+        for srv in servers.values():
+            pin_threads(srv.pid, {LATENCY_CPU})
+        pin_threads(os.getpid(), {LATENCY_CPU})
+        return _op_latencies(servers, sz, rounds, prefix)
+    finally:
+        pin_threads(os.getpid(), before)
+
+
+def _op_latencies(servers: dict, sz: Sizes, rounds: int, prefix: str) -> dict:
     stores = {n: PEERS[n].connect(s.host, s.port, sz.op_timeout) for n, s in servers.items()}
     out = {n: {} for n in servers}
     for op in OPS:

@@ -88,6 +88,16 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def pin_threads(pid: int, cpus: set) -> None:
+    """Pins every thread of pid to cpus (sched_setaffinity on a pid moves only its main
+    thread); threads created later inherit the pinning of their creator."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # the thread ended meanwhile
+
+
 @dataclass
 class ServerProc:
     """A store server running in its own process."""

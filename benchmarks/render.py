@@ -76,8 +76,10 @@ def render(res: dict, quick: bool) -> str:
     L.append(f"Raw TCP ping-pong on loopback (C++, {pp.get('size', '-')} B, echo server in its own "
              f"process): p50 {us(free.get('p50_ns'))}, p99 {us(free.get('p99_ns'))} with both "
              f"processes free to run on any CPU; p50 {us(one.get('p50_ns'))}, p99 "
-             f"{us(one.get('p99_ns'))} with both pinned to one CPU. The ping-pong ratio uses the "
-             f"lower p50 ({us(pp50)}, {pp.get('floor_from', '-')}). `wait` is the wake-up time: "
+             f"{us(one.get('p99_ns'))} with both pinned to one CPU. Every store below is measured "
+             "with its server and clients pinned to one CPU too (cross-CPU wake-ups on this VM "
+             "cost tens of µs and vary with the host), and the ping-pong ratio uses the pinned "
+             f"p50 ({us(pp50)}, {pp.get('floor_from', '-')}). `wait` is the wake-up time: "
              "from another client's `set` call to `wait` returning. torch's TCPStore has no "
              "`try_get`, and its `set` does not wait for an answer (the figure is a send); "
              "its `get` is two round trips (wait, then get).")
