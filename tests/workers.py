@@ -89,6 +89,29 @@ def push_after(spec: dict[str, Any], queue: str, value: str, go: str) -> int:
     return 1
 
 
+def _exercise_group(rank: int, world_size: int) -> None:
+    """all_reduce on the default group, on ``new_group()`` (torch's C++ side calls back into the
+    store, which may be parked: the keep-alive case) and on a pair, then barriers."""
+    import torch
+    import torch.distributed as dist
+
+    expected = world_size * (world_size + 1) / 2
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == expected, t
+    group = dist.new_group()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t, group=group)
+    assert t.item() == expected, t
+    pair = dist.new_group(ranks=[0, 1])
+    if rank in (0, 1):
+        t = torch.tensor([1.0])
+        dist.all_reduce(t, group=pair)
+        assert t.item() == 2.0, t
+    dist.barrier()
+    dist.barrier(group=group)
+
+
 @task
 def gloo(mode: str, rank: int, world_size: int, addr: str) -> str:
     """A gloo group: ``mode`` is ``store`` (an elasticstore.Store handed to torch with no
@@ -96,7 +119,6 @@ def gloo(mode: str, rank: int, world_size: int, addr: str) -> str:
     import gc
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     import elasticstore
@@ -117,21 +139,7 @@ def gloo(mode: str, rank: int, world_size: int, addr: str) -> str:
             "gloo", init_method=addr, rank=rank, world_size=world_size, timeout=timeout
         )
     gc.collect()
-    expected = world_size * (world_size + 1) / 2
-    t = torch.tensor([rank + 1.0])
-    dist.all_reduce(t)
-    assert t.item() == expected, t
-    group = dist.new_group()  # calls back into the store from C++
-    t = torch.tensor([rank + 1.0])
-    dist.all_reduce(t, group=group)
-    assert t.item() == expected, t
-    pair = dist.new_group(ranks=[0, 1])
-    if rank in (0, 1):
-        t = torch.tensor([1.0])
-        dist.all_reduce(t, group=pair)
-        assert t.item() == 2.0, t
-    dist.barrier()
-    dist.barrier(group=group)
+    _exercise_group(rank, world_size)
     # Rank 0 may host the server: it leaves last.
     default_store = dist.distributed_c10d._get_default_store()
     if rank == 0:
@@ -149,7 +157,6 @@ def gloo_etcd(rank: int, world_size: int, endpoints: list[str], prefix: str) -> 
     import gc
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
     import elasticstore
@@ -163,21 +170,7 @@ def gloo_etcd(rank: int, world_size: int, endpoints: list[str], prefix: str) -> 
         timeout=timeout,
     )
     gc.collect()
-    expected = world_size * (world_size + 1) / 2
-    t = torch.tensor([rank + 1.0])
-    dist.all_reduce(t)
-    assert t.item() == expected, t
-    group = dist.new_group()  # calls back into the (parked) store from C++
-    t = torch.tensor([rank + 1.0])
-    dist.all_reduce(t, group=group)
-    assert t.item() == expected, t
-    pair = dist.new_group(ranks=[0, 1])
-    if rank in (0, 1):
-        t = torch.tensor([1.0])
-        dist.all_reduce(t, group=pair)
-        assert t.item() == 2.0, t
-    dist.barrier()
-    dist.barrier(group=group)
+    _exercise_group(rank, world_size)
     dist.destroy_process_group()
     return f"rank {rank} ok"
 
