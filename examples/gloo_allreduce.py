@@ -34,7 +34,9 @@ def worker(rank: int, world_size: int, host: str, port: int) -> None:
     dist.barrier()
     expected = world_size * (world_size + 1) / 2
     status = "ok" if total.item() == expected else f"WRONG (expected {expected})"
-    print(f"rank {rank}/{world_size}: all_reduce sum = {total.item():g} {status}", flush=True)
+    # One write per line, so that the workers' lines do not interleave.
+    sys.stdout.write(f"rank {rank}/{world_size}: all_reduce sum = {total.item():g} {status}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     if total.item() != expected:
         sys.exit(1)
