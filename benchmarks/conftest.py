@@ -64,7 +64,7 @@ def pytest_generate_tests(metafunc):
         "tput_clients": list(sz.tput_clients),
         "storm_clients": list(sz.storm_clients),
         "barrier_size": list(sz.barrier_sizes),
-        "barrier_kind": ["native", "store-based"],
+        "barrier_kind": sorted({kind for p in PEERS.values() for kind in p.barriers}),
     }
     for name, values in params.items():
         if name in metafunc.fixturenames:

@@ -26,7 +26,7 @@ class Sizes:
     lat_max_s: float = 8.0
     wake_iters: int = 300
     pingpong_iters: int = 20000
-    tput_clients: tuple = (1, 8, 64, 256)
+    tput_clients: tuple = (1, 8, 16, 64, 256)  # 1, 16, 64: issue 3; 1, 8, 64, 256: issue 4
     tput_seconds: float = 4.0
     storm_clients: tuple = (256, 1024, 4096)
     barrier_sizes: tuple = (64, 1024)

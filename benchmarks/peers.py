@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import etcd_peer
+import floor_peer
 from procs import HERE, HOST, ServerProc, set_pdeathsig, start_server_process
 
 # --------------------------------------------------------------------------------- store servers
@@ -196,6 +197,19 @@ PEERS: dict[str, Peer] = {
             _elasticstore_missing,
             {"store-based": store_based_barrier},
             measure_memory=False,
+        ),
+        Peer(
+            "python ping-pong",
+            "the limit for Python clients: one raw round trip per call to an epoll echo server "
+            "(tcp_pingpong server), no store",
+            floor_peer.start_server,
+            floor_peer.connect,
+            floor_peer.missing,
+            {"one round trip": floor_peer.round_trip_barrier},
+            ("set", "get", "try_get", "add", "compare_set", "check"),
+            native_api=True,
+            measure_memory=False,
+            skips=floor_peer.SKIPS,
         ),
         Peer(
             "etcd",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from latency import OPS
 from peers import BASELINE
 
+FLOOR = "python ping-pong"  # floor_peer.py: the limit for Python clients
+
 
 def us(ns) -> str:
     return "-" if ns is None else f"{ns / 1000:.1f}"
@@ -130,7 +132,10 @@ def render(res: dict, quick: bool) -> str:
         L.append("")
         L.append("`native`: the server's BARRIER op; `store-based`: torch's "
                  "`torch.distributed.elastic.utils.store.barrier` (add a counter, the last "
-                 "sets a key, all wait).")
+                 "sets a key, all wait)" + ("; `one round trip`: the python ping-pong row, each "
+                 "client connects and makes one round trip to an echo server (no barrier: the "
+                 "least that connecting and passing any barrier can cost these clients)."
+                 if section == "storm" else "."))
         L.append("")
         L.append("| N | peer | barrier | wall ms | x TCPStore | server CPU ms | x TCPStore |")
         L.append("|---:|---|---|---:|---:|---:|---:|")
@@ -230,10 +235,17 @@ def goals(res: dict):
         yield ("throughput at 64 clients >= 1.5x TCPStore", f"{t[0] / t[1]:.2f}x", t[0] / t[1] >= 1.5)
     else:
         yield ("throughput at 64 clients >= 1.5x TCPStore", "not measured", None)
+    fl = ((res["throughput"].get(FLOOR) or {}).get("64") or {}).get("ops_per_s")
+    if fl and t[1]:
+        yield (f"(the limit: {FLOOR}, 64 clients, x TCPStore)", f"{fl / t[1]:.2f}x", None)
     for section, label in (("storm", "1024-client connect storm"), ("barrier", "1024-participant barrier")):
         ours = val(((res[section].get(es) or {}).get("native") or {}).get("1024"))["seconds"]
         theirs = val(((res[section].get(tc) or {}).get("store-based") or {}).get("1024"))["seconds"]
         yield check(f"{label} <= 0.5x torch", ours / theirs if ours and theirs else None, 0.5)
+        floor = val(((res[section].get(FLOOR) or {}).get("one round trip") or {}).get("1024"))["seconds"]
+        if floor and theirs:
+            yield (f"(the limit: {FLOOR}, 1024 clients connect + one round trip, x torch)",
+                   f"{floor / theirs:.2f}x", None)
     mm = res["memory"].get(es)
     if mm and mm["conns"] >= 4096:
         v = mm["conns_bytes"] / 2**20
