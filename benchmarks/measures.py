@@ -28,6 +28,7 @@ class Sizes:
     pingpong_iters: int = 20000
     tput_clients: tuple = (1, 8, 16, 64, 256)  # 1, 16, 64: issue 3; 1, 8, 64, 256: issue 4
     tput_seconds: float = 4.0
+    tput_rounds: int = 4  # each point in this many slices, peers in rotating order
     storm_clients: tuple = (256, 1024, 4096)
     barrier_sizes: tuple = (64, 1024)
     barrier_rounds: int = 5
@@ -43,7 +44,7 @@ class Sizes:
 FULL = Sizes()
 QUICK = Sizes(
     lat_iters=200, lat_warmup=20, lat_max_s=1.0, wake_iters=20, pingpong_iters=2000,
-    tput_clients=(1, 8), tput_seconds=0.5, storm_clients=(32,), barrier_sizes=(16,),
+    tput_clients=(1, 8), tput_seconds=0.5, tput_rounds=2, storm_clients=(32,), barrier_sizes=(16,),
     barrier_rounds=2, idle_conns=16, mem_keys=1000, op_timeout=30.0, threads_per_proc=16,
     max_procs=2, fresh_server_per_point=False,
 )

@@ -52,7 +52,8 @@ def render(res: dict, quick: bool) -> str:
              "measuring process after `import torch, elasticstore` (pages shared), the same "
              "way for every peer; storm/barrier clients are threads in up to "
              f"{res['sizes']['max_procs']} such processes")
-    L.append("- peers take turns (latency in 4 slices per op, throughput in 2 per point, "
+    L.append("- peers take turns (latency in 4 slices per op, throughput in "
+             f"{res['sizes'].get('tput_rounds', 2)} per point, "
              "rotating order) so that other load on the machine falls on all alike; 1-min load "
              "average before/after each section (this run's own clients included): "
              + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in res.get("load", {}).items()))

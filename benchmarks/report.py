@@ -120,7 +120,7 @@ def run(names, sections, sz) -> dict:
             servers = {}
             try:
                 servers = {n: PEERS[n].start_server() for n in usable}
-                rounds = 2
+                rounds = sz.tput_rounds
                 for n in sz.tput_clients:
                     here = measured(section, n)
                     runs = {name: [] for name in here}
