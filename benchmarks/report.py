@@ -33,6 +33,7 @@ import throughput  # noqa: E402
 from peers import PEERS  # noqa: E402
 from plot import plot  # noqa: E402
 from render import render  # noqa: E402
+from summary import summary  # noqa: E402
 
 SECTIONS = ("latency", "throughput", "storm", "barrier", "memory")
 RESULTS = os.path.join(procs.HERE, "results")
@@ -199,21 +200,32 @@ def write(res: dict, text: str, out: str) -> bool:
         log(f"plot failed: {short_error(e)}")
         return False
     if not res.get("quick") and os.path.abspath(out) == os.path.abspath(RESULTS):
-        update_readme(text)
+        update_readme(text, res)
     return True
 
 
-def update_readme(text: str) -> None:
-    """Puts the latest full table between the markers of benchmarks/README.md."""
-    path = os.path.join(procs.HERE, "README.md")
-    begin, end = "<!-- latest:begin -->", "<!-- latest:end -->"
-    with open(path) as f:
-        readme = f.read()
-    if begin not in readme or end not in readme:
-        return
+def update_readme(text: str, res: dict) -> None:
+    """Puts the latest full table between the markers of benchmarks/README.md, and the summary
+    (summary.py) between those of the top-level README.md."""
     body = text.split("\n", 1)[1]  # without the title line
-    body = body.replace("\n## ", "\n### ")
-    head, rest = readme.split(begin, 1)
+    replace_between(os.path.join(procs.HERE, "README.md"), "latest",
+                    body.replace("\n## ", "\n### "))
+    replace_between(os.path.join(os.path.dirname(procs.HERE), "README.md"), "bench-summary",
+                    summary(res))
+
+
+def replace_between(path: str, marker: str, body: str) -> None:
+    """Replaces what stands between <!-- {marker}:begin --> and <!-- {marker}:end --> in path
+    (nothing when the file or a marker is missing)."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return
+    if begin not in text or end not in text:
+        return
+    head, rest = text.split(begin, 1)
     tail = rest.split(end, 1)[1]
     with open(path, "w") as f:
         f.write(f"{head}{begin}\n{body.strip()}\n{end}{tail}")
