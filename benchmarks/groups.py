@@ -78,3 +78,12 @@ def barrier_time(peer_name, srv, n, kind, sz, key) -> dict:
     r["seconds"] /= sz.barrier_rounds
     r["server_cpu_s"] /= sz.barrier_rounds
     return r
+
+
+def median_point(points: list) -> dict:
+    """The point of median wall time among rounds (its server CPU with it), and every round's
+    seconds under "rounds_s"."""
+    ordered = sorted(points, key=lambda p: p["seconds"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid["rounds_s"] = [p["seconds"] for p in points]
+    return mid

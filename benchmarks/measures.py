@@ -32,6 +32,7 @@ class Sizes:
     storm_clients: tuple = (256, 1024, 4096)
     barrier_sizes: tuple = (64, 1024)
     barrier_rounds: int = 5
+    group_rounds: int = 3  # storm/barrier points: the median of this many, peers rotating
     idle_conns: int = 4096
     mem_keys: int = 100_000
     mem_value_bytes: int = 1024
@@ -45,7 +46,7 @@ FULL = Sizes()
 QUICK = Sizes(
     lat_iters=200, lat_warmup=20, lat_max_s=1.0, wake_iters=20, pingpong_iters=2000,
     tput_clients=(1, 8), tput_seconds=0.5, tput_rounds=2, storm_clients=(32,), barrier_sizes=(16,),
-    barrier_rounds=2, idle_conns=16, mem_keys=1000, op_timeout=30.0, threads_per_proc=16,
+    barrier_rounds=2, group_rounds=1, idle_conns=16, mem_keys=1000, op_timeout=30.0, threads_per_proc=16,
     max_procs=2, fresh_server_per_point=False,
 )
 

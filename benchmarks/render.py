@@ -124,10 +124,12 @@ def render(res: dict, quick: bool) -> str:
 
     L += etcd_cost(res)
 
+    g = res["sizes"].get("group_rounds", 1)
+    rounds = f"; median of {g} rounds, peers rotating" if g > 1 else ""
     for section, title in (
-        ("storm", "Connect storm: N clients connect and pass one barrier (wall time)"),
+        ("storm", f"Connect storm: N clients connect and pass one barrier (wall time{rounds})"),
         ("barrier", "Barrier, N connected participants (time per barrier, mean of "
-                    f"{res['sizes']['barrier_rounds']} in a row)"),
+                    f"{res['sizes']['barrier_rounds']} in a row{rounds})"),
     ):
         L.append(f"## {title}")
         L.append("")

@@ -156,22 +156,31 @@ def run(names, sections, sz) -> dict:
                     if why_not:
                         res["notes"].append(f"{section} {n}: skipped, {why_not}")
                         continue
-                    for name in rotated(measured(section), i):
-                        for kind in PEERS[name].barriers:
-                            srv = None
-                            try:  # a fresh server per point: earlier clients do not weigh on it
-                                if sz.fresh_server_per_point:
-                                    srv = PEERS[name].start_server()
-                                elif name not in shared:
-                                    shared[name] = PEERS[name].start_server()
-                                v = fn(name, srv or shared[name], n, kind, sz,
-                                       f"{section}/{kind}/{n}")
-                                res[section].setdefault(name, {}).setdefault(kind, {})[str(n)] = v
-                            except Exception as e:
-                                failed(name, f"{section} {n} {kind}", e)
-                            finally:
-                                if srv is not None:
-                                    srv.close()
+                    samples: dict = {}  # (name, kind) -> points, one per round
+                    for rnd in range(sz.group_rounds):
+                        for name in rotated(measured(section), i + rnd):
+                            for kind in PEERS[name].barriers:
+                                if samples.get((name, kind), []) is None:
+                                    continue  # failed in an earlier round
+                                srv = None
+                                try:  # a fresh server per point: earlier clients do not weigh
+                                    if sz.fresh_server_per_point:
+                                        srv = PEERS[name].start_server()
+                                    elif name not in shared:
+                                        shared[name] = PEERS[name].start_server()
+                                    v = fn(name, srv or shared[name], n, kind, sz,
+                                           f"{section}/{kind}/{n}/{rnd}")
+                                    samples.setdefault((name, kind), []).append(v)
+                                except Exception as e:
+                                    failed(name, f"{section} {n} {kind}", e)
+                                    samples[(name, kind)] = None
+                                finally:
+                                    if srv is not None:
+                                        srv.close()
+                    for (name, kind), pts in samples.items():
+                        if pts:
+                            res[section].setdefault(name, {}).setdefault(kind, {})[str(n)] = \
+                                groups.median_point(pts)
                     log(f"{section} {n} done")
             finally:
                 for srv in shared.values():
