@@ -51,7 +51,7 @@ class EchoClient:
         self._sock.settimeout(None)  # blocking: no poll() before each call, the least syscalls
         self._values: dict = {}
 
-    def _round_trip(self) -> None:
+    def round_trip(self) -> None:
         self._sock.sendall(MESSAGE)
         got = 0
         while got < len(MESSAGE):
@@ -61,27 +61,27 @@ class EchoClient:
             got += len(chunk)
 
     def set(self, key: str, value: bytes) -> None:
-        self._round_trip()
+        self.round_trip()
         self._values[key] = value
 
     def get(self, key: str, timeout: Optional[float] = None) -> bytes:
-        self._round_trip()
+        self.round_trip()
         return self._values.get(key, b"")
 
     def try_get(self, key: str) -> Optional[bytes]:
-        self._round_trip()
+        self.round_trip()
         return self._values.get(key)
 
     def add(self, key: str, amount: int) -> int:
-        self._round_trip()
+        self.round_trip()
         return amount
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        self._round_trip()
+        self.round_trip()
         return desired
 
     def check(self, keys: Iterable[str]) -> bool:
-        self._round_trip()
+        self.round_trip()
         return True
 
     def close(self) -> None:
@@ -99,4 +99,4 @@ def connect(host: str, port: int, timeout: float) -> EchoClient:
 
 def round_trip_barrier(client: EchoClient, key: str, world_size: int, timeout: float) -> None:
     """Not a barrier: one round trip, the least a barrier call can cost."""
-    client._round_trip()
+    client.round_trip()
