@@ -19,6 +19,7 @@ import importlib.util
 import os
 import signal
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -45,8 +46,18 @@ def start_elasticstore_server() -> ServerProc:
     )
 
 
+def native_server_binary() -> Optional[str]:
+    """`elasticstore-server`, the native daemon installed with the package (None if absent)."""
+    path = os.path.join(sysconfig.get_path("scripts"), "elasticstore-server")
+    return path if os.access(path, os.X_OK) else None
+
+
 def start_native_server() -> ServerProc:
-    """elasticstore's _C.Server in a torch-free Python process: the server's own memory."""
+    """The server without Python or torch around it, for its own memory: `elasticstore-server`
+    (else elasticstore's _C.Server in a torch-free Python process)."""
+    binary = native_server_binary()
+    if binary:
+        return start_server_process([binary, "--host", HOST, "--port", "0"], "elasticstore-server")
     return start_server_process(
         [sys.executable, os.path.join(HERE, "peers.py"), "native-server"], "elasticstore _C.Server"
     )

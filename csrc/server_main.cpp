@@ -1,0 +1,141 @@
+// elasticstore-server: the store server as a native executable (no Python, no torch), for running
+// as a daemon. The same flags and output as `elasticstore server`:
+//
+//   elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
+//
+// prints "elasticstore server listening on H:P" once it accepts connections and serves until
+// SIGINT or SIGTERM, then stops cleanly (exit 0). A bad flag exits 2 naming the flag and why; a
+// failure to listen exits 1 with the reason.
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "server.hpp"
+
+namespace {
+
+using elasticstore::LogLevel;
+using elasticstore::ServerConfig;
+
+constexpr const char* kProg = "elasticstore-server";
+constexpr int kDefaultPort = 29400;  // as `elasticstore server`
+constexpr int kExitUsage = 2;
+
+const char* const kUsage =
+    "usage: elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N]\n"
+    "                           [--log-level {debug,info,warning,error,off}]\n"
+    "\n"
+    "Serves an elasticstore (native and torch TCPStore protocols on one port) until SIGINT or\n"
+    "SIGTERM. --host: numeric address to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
+    "interface), --port: default 29400, 0 picks a free one; --backlog: 0 uses somaxconn;\n"
+    "--max-connections: default 65536; --log-level: default warning.\n";
+
+[[noreturn]] void bad_flag(const std::string& flag, const std::string& why) {
+  std::fprintf(stderr, "%s: argument %s: %s\n%s", kProg, flag.c_str(), why.c_str(), kUsage);
+  std::exit(kExitUsage);
+}
+
+// A whole decimal number in [lo, hi], else the flag is refused with `what`.
+long long parse_int(const std::string& flag, const char* text, long long lo, long long hi,
+                    const char* what) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || *end != '\0' || v < lo || v > hi) {
+    bad_flag(flag, std::string(text) + " is not " + what);
+  }
+  return v;
+}
+
+LogLevel parse_level(const std::string& flag, const std::string& text) {
+  if (text == "debug") return LogLevel::Debug;
+  if (text == "info") return LogLevel::Info;
+  if (text == "warning") return LogLevel::Warning;
+  if (text == "error") return LogLevel::Error;
+  if (text == "off") return LogLevel::Off;
+  bad_flag(flag, "invalid choice: '" + text + "' (choose from debug, info, warning, error, off)");
+}
+
+ServerConfig parse_args(int argc, char** argv) {
+  ServerConfig cfg;
+  cfg.port = kDefaultPort;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    std::string value;
+    const auto eq = flag.find('=');
+    if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {  // --port=0
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else if (flag == "--host" || flag == "--port" || flag == "--backlog" ||
+               flag == "--max-connections" || flag == "--log-level") {
+      bad_flag(flag, "expected one argument");
+    } else {
+      bad_flag(flag, "unrecognized argument");
+    }
+    if (flag == "--host") {
+      if (value.empty()) bad_flag(flag, "an empty host");
+      cfg.host = value;
+    } else if (flag == "--port") {
+      cfg.port = static_cast<uint16_t>(
+          parse_int(flag, value.c_str(), 0, 65535, "a port number (0..65535)"));
+    } else if (flag == "--backlog") {
+      cfg.backlog = static_cast<int>(parse_int(flag, value.c_str(), 0, 1 << 30, "a backlog >= 0"));
+    } else if (flag == "--max-connections") {
+      cfg.max_connections = static_cast<std::size_t>(
+          parse_int(flag, value.c_str(), 1, 1LL << 40, "a connection count >= 1"));
+    } else if (flag == "--log-level") {
+      cfg.log_level = parse_level(flag, value);
+    } else {
+      bad_flag(flag, "unrecognized argument");
+    }
+  }
+  return cfg;
+}
+
+std::string format_address(const std::string& host, uint16_t port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const ServerConfig cfg = parse_args(argc, argv);
+  // Block the stop signals before any thread starts, so that only sigwait() below takes them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  if (pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr) != 0) {
+    std::fprintf(stderr, "%s: cannot block SIGINT/SIGTERM\n", kProg);
+    return 1;
+  }
+  try {
+    elasticstore::Server server(cfg);
+    server.start();
+    std::printf("elasticstore server listening on %s\n",
+                format_address(server.host(), server.port()).c_str());
+    std::fflush(stdout);
+    int sig = 0;
+    while (sigwait(&stop_signals, &sig) != 0) {
+    }
+    server.stop();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", kProg, e.what());
+    return 1;
+  }
+  return 0;
+}
