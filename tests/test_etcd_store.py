@@ -10,8 +10,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import etcd_cluster
 import procs
@@ -116,6 +117,113 @@ def test_a_lost_reply_is_not_applied_twice(store: elasticstore.EtcdStore) -> Non
     assert store.recovered == 8
     assert store.get("n") == b"6" and store.get("ap") == b"xy"
     assert store.try_get("c") is None
+
+
+class _LostReplies:
+    """Replaces etcd3's KV stub under the store's transport: the first ``count`` transactions
+    of ``what`` commit on etcd, then ``after_commit()`` runs and the call raises UNAVAILABLE,
+    as when the reply is lost on the wire; the transport then retries as it would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, what: Callable[[Any], bool],
+                 after_commit: Callable[[], None], count: int = 1) -> None:
+        import grpc
+        from etcd3 import etcdrpc
+
+        from elasticstore import _etcd_client
+
+        real_stub = etcdrpc.KVStub
+        state = {"left": count}
+
+        class Lost(grpc.RpcError):
+            def code(self) -> grpc.StatusCode:
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self) -> str:
+                return "reply lost (test)"
+
+        class Stub:
+            def __init__(self, channel: Any) -> None:
+                self._real = real_stub(channel)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._real, name)
+
+            def Txn(self, request: Any, **kw: Any) -> Any:  # noqa: N802 (gRPC's name)
+                reply = self._real.Txn(request, **kw)
+                if state["left"] > 0 and reply.succeeded and what(request):
+                    state["left"] -= 1
+                    after_commit()
+                    raise Lost()
+                return reply
+
+        monkeypatch.setattr(_etcd_client.etcdrpc, "KVStub", Stub)
+        self.state = state
+
+
+def _revoke(etcd: etcd_cluster.Cluster, lease: int) -> None:
+    """Revokes ``lease`` from a second etcd3 client (as its expiry in a partition would)."""
+    import etcd3
+
+    host, port = etcd.endpoints[0].rsplit(":", 1)
+    other = etcd3.client(host, int(port), timeout=5)
+    try:
+        other.revoke_lease(lease)
+    finally:
+        other.close()
+
+
+def _puts_key(full: bytes) -> Callable[[Any], bool]:
+    return lambda request: any(op.request_put.key == full for op in request.success)
+
+
+def test_a_lost_reply_then_an_ended_lease_is_never_applied_twice(
+    store: elasticstore.EtcdStore, etcd: etcd_cluster.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """add() commits, its reply is lost, and the lease holding the operation marker ends before
+    the retry: the retry cannot tell whether the add applied. It must not apply it again; it
+    raises AmbiguousOutcomeError naming the call and the key. The store stays usable."""
+    from elasticstore.etcd_store import AmbiguousOutcomeError
+
+    assert store.add("counter", 0) == 0  # the store's lease and marker exist
+    lease = store._s()[1].lease_id(None)
+    lost = _LostReplies(monkeypatch, _puts_key(store._k("counter")),
+                        lambda: _revoke(etcd, lease))
+    with pytest.raises(AmbiguousOutcomeError, match=r"add on key 'counter'.*outcome unknown"):
+        store.add("counter", 1)
+    assert lost.state["left"] == 0
+    assert store.get("counter") == b"1"  # applied once (before: returned 2, stored 2)
+    assert store.add("counter", 1) == 2  # usable again, on a new lease
+    assert isinstance(AmbiguousOutcomeError("x"), dist.DistStoreError)
+
+
+def test_an_ended_lease_without_a_lost_reply_is_retried(
+    store: elasticstore.EtcdStore, etcd: etcd_cluster.Cluster
+) -> None:
+    """The lease ends between calls, or between two attempts of one call (no reply lost): every
+    attempt was answered, so the call just retries under a new lease and applies once."""
+    assert store.add("n", 1) == 1
+    _revoke(etcd, store._s()[1].lease_id(None))
+    assert store.add("n", 1) == 2  # between calls
+    other = store.clone()
+    full = store._k("n")
+    conn = store._c()
+    real = conn.kv
+    hit = {"done": False}
+
+    def contended(method: str, request: Any, deadline: float | None, what: str) -> Any:
+        if method == "Txn" and what == "add" and not hit["done"] and _puts_key(full)(request):
+            hit["done"] = True  # this attempt loses to another client, then the lease ends
+            other.add("n", 10)
+            _revoke(etcd, store._s()[1].lease_id(None))
+        return real(method, request, deadline, what)
+
+    conn.kv = contended  # type: ignore[method-assign]
+    try:
+        assert store.add("n", 1) == 13
+    finally:
+        conn.kv = real  # type: ignore[method-assign]
+        other.close()
+    assert store.get("n") == b"13"
 
 
 def test_compare_set_contention_is_exactly_once(store: elasticstore.EtcdStore) -> None:

@@ -90,6 +90,9 @@ class Connection:
         self._channels: dict[int, grpc.Channel] = {}
         self._tokens: dict[int, str] = {}
         self._closed = False
+        # Requests sent without an answer (a network error or a lost reply): each may have been
+        # applied unseen. The exactly-once transactions compare it before and after (etcd_txn).
+        self.unanswered = 0
 
     def close(self) -> None:
         with self._lock:
@@ -156,6 +159,7 @@ class Connection:
                     continue
                 if not retriable(exc):
                     raise StoreError(f"etcd {what}: {exc.code().name}: {exc.details()}") from None
+                self.unanswered += 1
                 last = exc
             self._tokens.pop(index, None)
             self._fail_over(index)

@@ -10,6 +10,15 @@ most one attempt of an operation can commit. A reply lost on the wire is retried
 member): the retry fails the marker compare, and the marker says which attempt applied, with
 which result. A call that returns therefore applied exactly once.
 
+The marker is written on a lease as soon as the lease is granted (before any attempt), so while
+the lease lives the marker exists. When it is found missing in the middle of a call, the lease
+ended (a partition longer than its TTL, or a revoke): if every request of the call was answered
+(each attempt was refused), the call retries under a new lease; if one went unanswered, an
+attempt may have applied and the only record of it is gone, so the call raises
+:class:`AmbiguousOutcomeError` rather than apply it a second time. Markers are not moved off
+the lease (which would make them survive): a marker outside a lease is never freed when its
+store dies without ``close()``, one key per crashed process for good.
+
 Waiting (``_wait``): read the keys in one snapshot (revision R in the reply header); if not
 satisfied, watch them from R+1, so no change after the read is missed. A broken stream (member
 down, no leader: streams carry ``hasleader``) or a compaction reads again, on the next member.
@@ -56,6 +65,15 @@ def _op_range(key: bytes, **kw: Any) -> Any:
 def _deadline(timeout: Timeout) -> float | None:
     secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
     return time.monotonic() + secs if secs > 0 else None
+
+
+_MARKER_START = b"0"  # a marker on a new lease (operations write "{seq}.{attempt}", seq >= 1)
+
+
+class AmbiguousOutcomeError(StoreError):
+    """A mutation may or may not have applied: a request got no reply and the lease holding
+    the operation marker (which would tell) ended before the retry. Read the key to find out;
+    the store stays usable (a new lease is granted on the next call)."""
 
 
 class _Reread(Exception):
@@ -107,32 +125,30 @@ class EtcdTxnMixin:
 
         ``decide(kv or None)`` returns ``(op, result)``: op ``("put", value)``, ``("delete",)`` or
         None (nothing to write: return ``result`` now). Returns (result, revision)."""
-        keeper = self._s()[1]
+        conn, keeper = self._s()
         deadline = self._op_deadline()
         with self._op_lock:
             self._seq += 1
             seq, results = self._seq, {}
             kvs, revision = self._read([key], deadline, what)
             current = kvs.get(key)
-            attempt = 0
+            attempt, lease = 0, 0
+            unanswered = conn.unanswered
             while True:
                 op, result = decide(current)
                 if op is None:
                     return result, revision
+                if lease == 0:
+                    lease = self._marker_lease(keeper, deadline, what)
                 attempt += 1
                 results[attempt] = result
-                lease = keeper.lease_id(deadline)
-                if keeper.generation != self._marker_gen:  # a new lease: the old marker is gone
-                    self._marker_gen, self._marker = keeper.generation, None
                 mark = f"{seq}.{attempt}".encode()
                 T = etcdrpc.Compare
                 compare = [
                     T(key=key, result=T.EQUAL, target=T.MOD, mod_revision=current.mod_revision)
                     if current is not None else
                     T(key=key, result=T.EQUAL, target=T.CREATE, create_revision=0),
-                    T(key=self._marker_key, result=T.EQUAL, target=T.VALUE, value=self._marker)
-                    if self._marker is not None else
-                    T(key=self._marker_key, result=T.EQUAL, target=T.VERSION, version=0),
+                    T(key=self._marker_key, result=T.EQUAL, target=T.VALUE, value=self._marker),
                 ]
                 if op[0] == "put":
                     write = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(
@@ -148,8 +164,9 @@ class EtcdTxnMixin:
                 except StoreError as exc:
                     if "lease not found" not in str(exc):
                         raise
-                    keeper.lost(lease)
-                    continue
+                    lease = self._lease_lost(keeper, lease, conn.unanswered != unanswered,
+                                             what, key, attempt)
+                    continue  # this attempt was refused: read the key again
                 revision = reply.header.revision
                 if reply.succeeded:
                     self._marker = mark
@@ -160,12 +177,50 @@ class EtcdTxnMixin:
                     self._marker = marker  # an earlier attempt applied (its reply was lost)
                     self.recovered += 1
                     return results[int(marker.split(b".")[1])], revision
-                self._marker = marker
                 current = got_key[0] if got_key else None
+                if marker != self._marker:  # the marker went with the lease
+                    lease = self._lease_lost(keeper, lease, conn.unanswered != unanswered,
+                                             what, key, attempt)
                 left = remaining(deadline)
                 if left is not None and left <= 0:
                     raise StoreTimeoutError(f"EtcdStore.{what}: key {self._name(key)!r} kept "
                                             f"changing; gave up after {self.timeout}")
+
+    def _marker_lease(self, keeper: LeaseKeeper, deadline: float | None, what: str) -> int:
+        """The lease for an operation's attempts, with this store's marker on it. The marker is
+        written (``"0"``) as soon as a lease is new, before any attempt: while the lease lives
+        the marker exists, so a marker found missing means the lease ended."""
+        while True:
+            lease = keeper.lease_id(deadline)
+            if self._marker is not None and keeper.generation == self._marker_gen:
+                return lease
+            put = etcdrpc.PutRequest(key=self._marker_key, value=_MARKER_START, lease=lease)
+            try:
+                self._c().kv("Put", put, deadline, what)
+            except StoreError as exc:
+                if "lease not found" not in str(exc):
+                    raise
+                keeper.lost(lease)
+                continue
+            self._marker_gen, self._marker = keeper.generation, _MARKER_START
+            return lease
+
+    def _lease_lost(self, keeper: LeaseKeeper, lease: int, unseen: bool, what: str,
+                    key: bytes, attempt: int) -> int:
+        """The lease (and the marker on it) ended during an operation. When a request of the
+        operation went unanswered, one of its attempts may have applied and the marker that
+        would say so is gone: raise :class:`AmbiguousOutcomeError`. Otherwise every attempt was
+        answered as not applied: retry under a new lease (returns 0: no lease yet)."""
+        keeper.lost(lease)
+        self._marker = None
+        if unseen:
+            raise AmbiguousOutcomeError(
+                f"EtcdStore.{what} on key {self._name(key)!r}: outcome unknown: a request of "
+                f"this call ({attempt} attempt(s)) got no reply, and the store's lease (with the "
+                f"marker saying whether it applied) ended before the retry (a partition longer "
+                f"than the lease TTL, {keeper.ttl}s, or a revoked lease); read the key to see "
+                f"whether it applied")
+        return 0
 
     # -- waiting on a watch from the read revision ---------------------------------------------
 

@@ -12,8 +12,10 @@ Semantics (the mechanics are in ``_etcd_txn``):
 - ``add``, ``append``, ``compare_set``, ``delete_key``, barrier arrivals and queue pops are
   read-modify-write transactions compared on ``mod_revision``, retried while the key changes
   (bounded by the timeout), and applied exactly once even when a reply is lost and the call is
-  retried on another member: a call that returns applied once; one that raises
-  ``StoreNetworkError`` did not apply, unless an attempt's late commit raced the deadline.
+  retried on another member: a call that returns applied once. When a reply was lost and the
+  lease (which holds the marker) ended before the retry, the call raises
+  ``AmbiguousOutcomeError`` (a ``DistStoreError``) instead of applying twice. One that raises
+  ``StoreNetworkError`` after sending may have applied (a late commit racing the deadline).
 - ``get``, ``wait``, ``multi_get``, ``barrier`` and a blocking ``queue_pop`` read (revision R)
   and watch the missing keys from R+1: no update between the read and the watch is missed.
 - ``set(..., ephemeral=True)`` binds the key to one lease per store (TTL ``lease_ttl``, default
@@ -47,13 +49,13 @@ except ImportError as exc:  # pragma: no cover (exercised without the extra)
 
 from ._etcd_client import Connection, LeaseKeeper
 from ._etcd_txn import (
-    _DELETE, _GONE, _PUT, EtcdTxnMixin, Key, Timeout, Value, _b, _deadline, _range_end,
-    _Reread,
+    _DELETE, _GONE, _PUT, AmbiguousOutcomeError, EtcdTxnMixin, Key, Timeout, Value, _b,
+    _deadline, _range_end, _Reread,
 )
 from .errors import StoreError, StoreTimeoutError, WatchCompactedError
 from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
 
-__all__ = ["EtcdStore"]
+__all__ = ["AmbiguousOutcomeError", "EtcdStore"]
 
 
 class EtcdStore(EtcdTxnMixin, dist.Store):
