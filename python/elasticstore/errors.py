@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["StoreError", "StoreNetworkError", "StoreTimeoutError", "WatchCompactedError"]
+__all__ = [
+    "QueueEmptyError",
+    "StoreError",
+    "StoreNetworkError",
+    "StoreTimeoutError",
+    "WatchCompactedError",
+]
 
 
 class StoreError(dist.DistStoreError):
@@ -41,3 +47,19 @@ class WatchCompactedError(StoreError):
 
     def __reduce__(self) -> tuple[type[WatchCompactedError], tuple[str, int]]:
         return (type(self), (str(self), self.oldest_revision))
+
+
+def _queue_empty_error() -> type[dist.DistStoreError]:
+    """torch's ``QueueEmptyError`` (torch >= 2.8), or on older torch a ``StoreError`` of the
+    same name, so that ``queue_pop(block=False)`` raises what callers of that torch catch."""
+    found = getattr(dist, "QueueEmptyError", None)
+    if isinstance(found, type) and issubclass(found, dist.DistStoreError):
+        return found
+
+    class QueueEmptyError(StoreError):
+        """A non-blocking ``queue_pop`` found the queue empty (torch < 2.8 lacks its own)."""
+
+    return QueueEmptyError
+
+
+QueueEmptyError = _queue_empty_error()

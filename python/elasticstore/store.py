@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal, Union
 import torch.distributed as dist
 
 from . import _C
-from .errors import StoreError
+from .errors import QueueEmptyError, StoreError
 
 if TYPE_CHECKING:
     from .server import StoreServer
@@ -274,11 +274,11 @@ class Store(dist.Store):
         if not block:
             value = self._conn().queue_pop(key, 0.0)
             if value is None:
-                raise dist.QueueEmptyError(f"queue {key!r} is empty")
+                raise QueueEmptyError(f"queue {key!r} is empty")
             return value
         value = self._conn().queue_pop(key, self._wait_secs(timeout))
         if value is None:  # only with a non-blocking pop; kept for safety
-            raise dist.QueueEmptyError(f"queue {key!r} is empty")
+            raise QueueEmptyError(f"queue {key!r} is empty")
         return value
 
     def queue_len(self, key: Key) -> int:  # type: ignore[override]
