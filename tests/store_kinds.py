@@ -25,8 +25,12 @@ QUEUES = "queue_push/queue_pop/queue_len"
 LIST_KEYS = "list_keys"
 BARRIER = "barrier"
 WAKE_BY_ADD = "waiters woken by add"
+BARRIER_WITHDRAWS = "a barrier that withdraws an arrival that timed out"
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
+TORCH_BARRIER = (
+    "torch's client-side Store::barrier (an add, then a wait) counts an arrival that timed out"
+)
 
 
 @dataclass
@@ -170,7 +174,10 @@ KINDS: list[StoreKind] = [
     StoreKind(
         "tcpstore",
         _open_tcpstore,
-        lacks={ADD_WRONG_TYPE: "its libuv server drops the connection on a failed add"},
+        lacks={
+            ADD_WRONG_TYPE: "its libuv server drops the connection on a failed add",
+            BARRIER_WITHDRAWS: TORCH_BARRIER,
+        },
     ),
     StoreKind(
         "hashstore",
@@ -178,6 +185,7 @@ KINDS: list[StoreKind] = [
         lacks={
             MULTIPROCESS: "a HashStore lives inside one process",
             WAKE_BY_ADD: "torch's HashStore::add does not notify waiting threads",
+            BARRIER_WITHDRAWS: TORCH_BARRIER,
         },
     ),
     # torch's C++ PrefixStore calling back into elasticstore.Store (the Python trampoline path).
@@ -187,6 +195,7 @@ KINDS: list[StoreKind] = [
         lacks={
             QUEUES: "torch's PythonStore trampoline does not forward queue calls",
             LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
+            BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
         },
     ),
     # torch's own TCPStore client speaking its protocol to our server (the second codec).
@@ -196,6 +205,7 @@ KINDS: list[StoreKind] = [
         lacks={
             ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
             "the connection on a failed add, as torch's own server does",
+            BARRIER_WITHDRAWS: TORCH_BARRIER,
         },
     ),
     StoreKind(
@@ -204,6 +214,7 @@ KINDS: list[StoreKind] = [
         lacks={
             ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
             "the connection on a failed add, as torch's own server does",
+            BARRIER_WITHDRAWS: TORCH_BARRIER,
         },
     ),
     # EtcdStore on a real etcd (the same API over etcd v3 transactions, watches and leases).

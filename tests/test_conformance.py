@@ -321,6 +321,26 @@ def test_barrier_threads(opened: sk.Opened) -> None:
     assert sorted(passed) == [0, 1, 2]
 
 
+def test_barrier_withdraws_an_arrival_that_timed_out(opened: sk.Opened) -> None:
+    """A participant that timed out is no longer counted: a lone retry is not released with
+    it (the native server withdraws a timed-out waiter), and two live participants are."""
+    opened.require(sk.BARRIER_WITHDRAWS)
+    store, other = opened.store, opened.new_client()
+    short = timedelta(seconds=0.5)
+    _assert_times_out(lambda: store.barrier("wd", 2, short), short.total_seconds())
+    _assert_times_out(lambda: other.barrier("wd", 2, short), short.total_seconds())
+    generations: list[int] = []
+    waiter = threading.Thread(
+        target=lambda: generations.append(other.barrier("wd", 2, timedelta(seconds=20))))
+    waiter.start()
+    _wait_for_waiters(opened, 1)
+    generations.append(store.barrier("wd", 2, timedelta(seconds=20)))
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert generations == [0, 0]  # the first generation released, for both
+    assert store.barrier("wd", 1) == 1  # reusable: the next generation
+
+
 # -- other processes -----------------------------------------------------------------------------
 
 

@@ -266,6 +266,39 @@ def test_barrier_generations(store: elasticstore.EtcdStore) -> None:
         c.close()
 
 
+def test_barrier_released_while_a_timed_out_arrival_withdraws(
+    store: elasticstore.EtcdStore,
+) -> None:
+    """The last participant arrives after a waiter's watch timed out but before its withdrawal
+    committed: the withdrawal sees the generation released and the waiter passes (as with the
+    native server, where the release or the timeout comes first, never both)."""
+    other = store.clone()
+    real_wait = store._wait
+
+    def late(*args: Any, **kw: Any) -> Any:
+        try:
+            return real_wait(*args, **kw)
+        except StoreTimeoutError:
+            assert other.barrier("race", 2, T5) == 0  # releases generation 0
+            raise
+
+    store._wait = late  # type: ignore[method-assign]
+    try:
+        assert store.barrier("race", 2, timedelta(seconds=0.3)) == 0
+    finally:
+        store._wait = real_wait  # type: ignore[method-assign]
+    # As the native server: a world_size other than that of the arrivals in progress is refused.
+    waiter = threading.Thread(target=lambda: store.barrier("mm", 2, T5))
+    waiter.start()
+    procs.wait_until(lambda: other._read(
+        [other._sys + b"barrier/mm"], None, "t")[0] != {}, 5, "the first arrival")
+    with pytest.raises(StoreError, match="world_size mismatch: 3 given, 2 in progress"):
+        other.barrier("mm", 3, timedelta(seconds=0.3))
+    assert other.barrier("mm", 2, T5) == 0
+    waiter.join(timeout=10)
+    other.close()
+
+
 def test_watch_versions_are_mod_revisions(store: elasticstore.EtcdStore) -> None:
     store.set("w", "1")
     start = store.watch("w", after_version=0, timeout=T5)  # the history from the start

@@ -4,7 +4,7 @@ Layout, all under ``prefix`` (prefixes of two jobs must not nest, one a path pre
 
     {prefix}/kv/{key}              user keys (num_keys and list_keys count only these)
     {prefix}/q/{key}\\0{uuid}        queue items, ordered by their etcd create revision
-    {prefix}/sys/barrier/{key}     a barrier's arrival counter (never bound to a lease)
+    {prefix}/sys/barrier/{key}     a barrier: "{generation} {arrived} {world_size}" (no lease)
     {prefix}/sys/op/{store id}     this store's operation marker (bound to its lease)
 
 Semantics (the mechanics are in ``_etcd_txn``):
@@ -21,10 +21,8 @@ Semantics (the mechanics are in ``_etcd_txn``):
 - ``set(..., ephemeral=True)`` binds the key to one lease per store (TTL ``lease_ttl``, default
   5 s), refreshed every TTL/3 by a daemon thread and revoked on ``close``: the key vanishes at
   close, or within the TTL when the owner dies.
-- ``barrier(key, n)``: a monotonic arrival counter; arrival number ``a`` (1, 2, ...) belongs to
-  generation ``g = (a - 1) // n`` and is released when the counter reaches ``(g + 1) * n``. The
-  barrier is reusable; every participant must pass the same ``n``; an arrival that timed out
-  stays counted (there is no withdrawal), as with a participant that left.
+- ``barrier(key, n)``: reusable, generation counted, an arrival that timed out is withdrawn,
+  as the native server's; ``queue_*``: an item key each (both in ``_etcd_sync``).
 """
 
 from __future__ import annotations
@@ -48,9 +46,9 @@ except ImportError as exc:  # pragma: no cover (exercised without the extra)
     ) from exc
 
 from ._etcd_client import Connection, LeaseKeeper
+from ._etcd_sync import EtcdSyncMixin
 from ._etcd_txn import (
-    _DELETE, _GONE, _PUT, AmbiguousOutcomeError, EtcdTxnMixin, Key, Timeout, Value, _b,
-    _deadline, _range_end, _Reread,
+    _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end, _Reread,
 )
 from .errors import StoreError, StoreTimeoutError, WatchCompactedError
 from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
@@ -58,7 +56,7 @@ from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
 __all__ = ["AmbiguousOutcomeError", "EtcdStore"]
 
 
-class EtcdStore(EtcdTxnMixin, dist.Store):
+class EtcdStore(EtcdSyncMixin, dist.Store):
     """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`.
 
     ``endpoints``: ``"host:port"`` strings (or one comma-separated string); on a network error
@@ -313,74 +311,6 @@ class EtcdStore(EtcdTxnMixin, dist.Store):
         request = etcdrpc.RangeRequest(key=start, range_end=_range_end(start), keys_only=True)
         reply = self._c().kv("Range", request, self._op_deadline(), "list_keys")
         return sorted(self._name(kv.key) for kv in reply.kvs)
-
-    def barrier(self, key: Key, world_size: int, timeout: Timeout = None) -> int:  # type: ignore[override]
-        """Blocks until ``world_size`` participants reached barrier ``key``; returns the
-        generation released (0, 1, 2, ...; reusable). See the module doc."""
-        n = int(world_size)
-        if n < 1:
-            raise ValueError("barrier: world_size must be >= 1")
-        counter = self._sys + b"barrier/" + _b(key)
-
-        def arrive(kv: Any) -> tuple[tuple[Any, ...], int]:
-            now = int(kv.value if kv is not None else b"0") + 1
-            return ("put", str(now).encode()), now
-
-        arrival, _ = self._rmw(counter, arrive, "barrier")
-        generation = (arrival - 1) // n
-        target = (generation + 1) * n
-        if arrival < target:
-            self._wait([counter], lambda kvs: counter in kvs and int(kvs[counter].value) >= target,
-                       timeout, f"barrier(generation {generation}, {n} participants)")
-        return generation
-
-    # -- queues ----------------------------------------------------------------------------------
-
-    def _qkey(self, key: Key) -> bytes:
-        return self._q + _b(key) + b"\x00"
-
-    def queue_push(self, key: Key, value: Value) -> None:  # type: ignore[override]
-        """Appends ``value`` (an item key of its own: a retried push cannot duplicate it)."""
-        item = self._qkey(key) + uuid.uuid4().hex.encode()
-        self._c().kv("Put", etcdrpc.PutRequest(key=item, value=_b(value)), self._op_deadline(),
-                     "queue_push")
-
-    def queue_len(self, key: Key) -> int:  # type: ignore[override]
-        base = self._qkey(key)
-        request = etcdrpc.RangeRequest(key=base, range_end=_range_end(base), count_only=True)
-        return int(self._c().kv("Range", request, self._op_deadline(), "queue_len").count)
-
-    def queue_pop(self, key: Key, block: bool = True, timeout: Timeout = None) -> bytes:  # type: ignore[override]
-        """Pops the oldest value (a transaction deleting the oldest item). Blocking (the
-        default) waits up to ``timeout``; otherwise raises ``QueueEmptyError`` at once."""
-        base = self._qkey(key)
-        timeout = self.timeout if timeout is None else timeout
-        deadline, start = _deadline(timeout), time.monotonic()
-        R = etcdrpc.RangeRequest
-        while True:
-            request = R(key=base, range_end=_range_end(base), limit=1,
-                        sort_order=R.ASCEND, sort_target=R.CREATE)
-            reply = self._c().kv("Range", request, deadline, "queue_pop")
-            if reply.kvs:
-                popped, _ = self._rmw(reply.kvs[0].key, lambda kv: (
-                    (("delete",), kv.value) if kv is not None else (None, _GONE)), "queue_pop")
-                if popped is not _GONE:
-                    return popped
-                continue
-            if not block:
-                raise dist.QueueEmptyError(f"queue {key!r} is empty")
-            create = etcdrpc.WatchCreateRequest(key=base, range_end=_range_end(base),
-                                                start_revision=reply.header.revision + 1)
-            try:
-                for events in self._stream([create], deadline):
-                    if any(ev.type == _PUT for ev in events):
-                        break
-            except (_Reread, WatchCompactedError):
-                continue
-            except StoreTimeoutError:
-                raise StoreTimeoutError(
-                    f"EtcdStore.queue_pop: queue {key!r} empty after "
-                    f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
 
     # -- watch -----------------------------------------------------------------------------------
 

@@ -1,0 +1,131 @@
+"""Barrier and queues of :class:`~elasticstore.EtcdStore` (a mixin over ``EtcdTxnMixin``).
+
+Barrier, as the native server's (``csrc/kv_waiters.cpp``): ``{prefix}/sys/barrier/{key}`` holds
+``"{generation} {arrived} {world_size}"`` (never bound to a lease). An arrival is one exactly-once
+transaction: the ``world_size``-th arrival releases the generation (the generation goes up and
+the count back to 0) and returns at once; the others wait (a watch) for the generation to move.
+An arrival whose wait timed out is withdrawn by a second transaction, unless the generation was
+released meanwhile (then the call returns that generation: it was released). A ``world_size``
+that differs from the one of arrivals in progress is refused. Unlike the native server, etcd
+cannot withdraw the arrival of a process killed while it waited: it stays counted.
+
+Queues: each item is a key of its own, ``{prefix}/q/{key}\\0{uuid}``, popped oldest first (by
+create revision) with an exactly-once delete.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from etcd3 import etcdrpc
+
+from ._etcd_txn import _GONE, _PUT, EtcdTxnMixin, Key, Timeout, Value, _b, _deadline, _range_end
+from ._etcd_txn import _Reread
+from .errors import QueueEmptyError, StoreError, StoreTimeoutError, WatchCompactedError
+
+
+def _barrier_state(kv: Any) -> tuple[int, int, int]:
+    """(generation, arrived, world_size) of a barrier record (a missing one: all 0)."""
+    if kv is None:
+        return 0, 0, 0
+    try:
+        generation, arrived, world_size = (int(f) for f in kv.value.split(b" "))
+    except ValueError:
+        raise StoreError(f"barrier: unreadable barrier record {kv.value[:40]!r}") from None
+    return generation, arrived, world_size
+
+
+def _barrier_value(generation: int, arrived: int, world_size: int) -> bytes:
+    return f"{generation} {arrived} {world_size}".encode()
+
+
+class EtcdSyncMixin(EtcdTxnMixin):
+    if TYPE_CHECKING:
+        _q: bytes
+        _sys: bytes
+
+    def barrier(self, key: Key, world_size: int, timeout: Timeout = None) -> int:  # type: ignore[override]
+        """Blocks until ``world_size`` participants reached barrier ``key``; returns the
+        generation released (0, 1, 2, ...; reusable). See the module doc."""
+        n = int(world_size)
+        if n < 1:
+            raise ValueError("barrier: world_size must be >= 1")
+        record = self._sys + b"barrier/" + _b(key)
+
+        def arrive(kv: Any) -> tuple[tuple[Any, ...], tuple[int, bool]]:
+            generation, arrived, size = _barrier_state(kv)
+            if arrived > 0 and size != n:
+                raise StoreError(f"barrier {self._name(record)!r}: world_size mismatch: {n} "
+                                 f"given, {size} in progress")
+            if arrived + 1 >= n:
+                return ("put", _barrier_value(generation + 1, 0, n)), (generation, True)
+            return ("put", _barrier_value(generation, arrived + 1, n)), (generation, False)
+
+        (generation, released), _ = self._rmw(record, arrive, "barrier")
+        if released:
+            return generation
+        try:
+            self._wait([record], lambda kvs: record in kvs and
+                       _barrier_state(kvs[record])[0] > generation,
+                       timeout, f"barrier(generation {generation}, {n} participants)")
+            return generation
+        except StoreTimeoutError:
+            def withdraw(kv: Any) -> tuple[tuple[Any, ...] | None, bool]:
+                now, arrived, size = _barrier_state(kv)
+                if now != generation:
+                    return None, True  # released before the withdrawal: passed
+                return ("put", _barrier_value(now, max(arrived - 1, 0), size)), False
+
+            if self._rmw(record, withdraw, "barrier withdrawal")[0]:
+                return generation
+            raise
+
+    # -- queues ----------------------------------------------------------------------------------
+
+    def _qkey(self, key: Key) -> bytes:
+        return self._q + _b(key) + b"\x00"
+
+    def queue_push(self, key: Key, value: Value) -> None:  # type: ignore[override]
+        """Appends ``value`` (an item key of its own: a retried push cannot duplicate it)."""
+        item = self._qkey(key) + uuid.uuid4().hex.encode()
+        self._c().kv("Put", etcdrpc.PutRequest(key=item, value=_b(value)), self._op_deadline(),
+                     "queue_push")
+
+    def queue_len(self, key: Key) -> int:  # type: ignore[override]
+        base = self._qkey(key)
+        request = etcdrpc.RangeRequest(key=base, range_end=_range_end(base), count_only=True)
+        return int(self._c().kv("Range", request, self._op_deadline(), "queue_len").count)
+
+    def queue_pop(self, key: Key, block: bool = True, timeout: Timeout = None) -> bytes:  # type: ignore[override]
+        """Pops the oldest value (a transaction deleting the oldest item). Blocking (the
+        default) waits up to ``timeout``; otherwise raises ``QueueEmptyError`` at once."""
+        base = self._qkey(key)
+        timeout = self.timeout if timeout is None else timeout
+        deadline, start = _deadline(timeout), time.monotonic()
+        R = etcdrpc.RangeRequest
+        while True:
+            request = R(key=base, range_end=_range_end(base), limit=1,
+                        sort_order=R.ASCEND, sort_target=R.CREATE)
+            reply = self._c().kv("Range", request, deadline, "queue_pop")
+            if reply.kvs:
+                popped, _ = self._rmw(reply.kvs[0].key, lambda kv: (
+                    (("delete",), kv.value) if kv is not None else (None, _GONE)), "queue_pop")
+                if popped is not _GONE:
+                    return popped  # type: ignore[no-any-return]
+                continue
+            if not block:
+                raise QueueEmptyError(f"queue {key!r} is empty")
+            create = etcdrpc.WatchCreateRequest(key=base, range_end=_range_end(base),
+                                                start_revision=reply.header.revision + 1)
+            try:
+                for events in self._stream([create], deadline):
+                    if any(ev.type == _PUT for ev in events):
+                        break
+            except (_Reread, WatchCompactedError):
+                continue
+            except StoreTimeoutError:
+                raise StoreTimeoutError(
+                    f"EtcdStore.queue_pop: queue {key!r} empty after "
+                    f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
