@@ -26,8 +26,13 @@ LIST_KEYS = "list_keys"
 BARRIER = "barrier"
 WAKE_BY_ADD = "waiters woken by add"
 BARRIER_WITHDRAWS = "a barrier that withdraws an arrival that timed out"
+STRICT_ADD = "add() on strict decimal int64 counters, refusing overflow"
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
+TORCH_ADD = (
+    "torch's stores parse a counter with std::stoll (' 7 ' is 7, '1_000' is 1) and wrap on "
+    "overflow (2**63-1 + 1 is -2**63)"
+)
 TORCH_BARRIER = (
     "torch's client-side Store::barrier (an add, then a wait) counts an arrival that timed out"
 )
@@ -69,9 +74,10 @@ def connect(spec: dict[str, Any]) -> dist.Store:
         return dist.PrefixStore(spec["prefix"], tcp)
     import elasticstore
 
-    if kind == "etcd":
-        return elasticstore.EtcdStore(spec["endpoints"], prefix=spec["prefix"], timeout=timeout,
+    if kind in ("etcd", "prefix-etcd"):
+        etcd = elasticstore.EtcdStore(spec["endpoints"], prefix=spec["prefix"], timeout=timeout,
                                       lease_ttl=spec.get("lease_ttl", 5.0))
+        return etcd if kind == "etcd" else dist.PrefixStore(spec["torch_prefix"], etcd)
     store = elasticstore.Store(spec["host"], spec["port"], timeout=timeout)
     if kind == "elasticstore":
         return store
@@ -143,7 +149,7 @@ def _open_tcpstore_client_on_elasticstore(prefix: str | None = None) -> Iterator
 
 
 @contextlib.contextmanager
-def _open_etcd() -> Iterator[Opened]:
+def _open_etcd(torch_prefix: str | None = None) -> Iterator[Opened]:
     """EtcdStore on one shared etcd member (started on first use, see ``etcd_cluster``); each
     test gets a prefix of its own, so tests never see each other's keys."""
     import uuid
@@ -158,12 +164,14 @@ def _open_etcd() -> Iterator[Opened]:
     def client() -> dist.Store:
         store = elasticstore.EtcdStore(endpoints, prefix=prefix, timeout=DEFAULT_TIMEOUT)
         clients.append(store)
-        return store
+        return store if torch_prefix is None else dist.PrefixStore(torch_prefix, store)
 
-    spec = {"kind": "etcd", "endpoints": endpoints, "prefix": prefix,
+    spec = {"kind": "etcd" if torch_prefix is None else "prefix-etcd", "endpoints": endpoints,
+            "prefix": prefix, "torch_prefix": torch_prefix,
             "timeout": DEFAULT_TIMEOUT.total_seconds()}
     try:
-        yield Opened(KINDS_BY_NAME["etcd"], client(), client, spec)
+        yield Opened(KINDS_BY_NAME["etcd" if torch_prefix is None else "prefix-etcd"], client(),
+                     client, spec)
     finally:
         for store in clients:
             store.close()
@@ -177,6 +185,7 @@ KINDS: list[StoreKind] = [
         lacks={
             ADD_WRONG_TYPE: "its libuv server drops the connection on a failed add",
             BARRIER_WITHDRAWS: TORCH_BARRIER,
+            STRICT_ADD: TORCH_ADD,
         },
     ),
     StoreKind(
@@ -186,6 +195,7 @@ KINDS: list[StoreKind] = [
             MULTIPROCESS: "a HashStore lives inside one process",
             WAKE_BY_ADD: "torch's HashStore::add does not notify waiting threads",
             BARRIER_WITHDRAWS: TORCH_BARRIER,
+            STRICT_ADD: TORCH_ADD,
         },
     ),
     # torch's C++ PrefixStore calling back into elasticstore.Store (the Python trampoline path).
@@ -219,5 +229,15 @@ KINDS: list[StoreKind] = [
     ),
     # EtcdStore on a real etcd (the same API over etcd v3 transactions, watches and leases).
     StoreKind("etcd", _open_etcd),
+    # torch's C++ PrefixStore calling back into EtcdStore (values cross the int64 cast there).
+    StoreKind(
+        "prefix-etcd",
+        lambda: _open_etcd(torch_prefix="conformance"),
+        lacks={
+            QUEUES: "torch's PythonStore trampoline does not forward queue calls",
+            LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
+            BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
+        },
+    ),
 ]
 KINDS_BY_NAME = {kind.name: kind for kind in KINDS}

@@ -99,6 +99,51 @@ def test_add_on_a_non_integer_raises(opened: sk.Opened) -> None:
     assert store.get("text") == b"abc"
 
 
+# Refused by the native server's rule (an optional '-' and ASCII digits, nothing else: what
+# std::from_chars accepts); Python's int() and torch's std::stoll accept several of them.
+NOT_DECIMAL = [" 7 ", "7 ", " 7", "+7", "1_000", "", "-", "0x10", "1e3", "7\n", "\u0663"]
+INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+
+
+def test_add_refuses_a_value_that_is_not_strict_decimal(opened: sk.Opened) -> None:
+    opened.require(sk.ADD_WRONG_TYPE)
+    opened.require(sk.STRICT_ADD)
+    store = opened.store
+    for i, raw in enumerate(NOT_DECIMAL):
+        store.set(f"loose{i}", raw)
+        with pytest.raises(dist.DistStoreError):
+            store.add(f"loose{i}", 1)
+        assert store.get(f"loose{i}") == raw.encode(), f"{raw!r} was overwritten"
+    store.set("zeros", "007")
+    assert store.add("zeros", 1) == 8
+    store.set("negzero", "-0")
+    assert store.add("negzero", 1) == 1
+
+
+def test_add_stays_within_int64(opened: sk.Opened) -> None:
+    opened.require(sk.ADD_WRONG_TYPE)
+    opened.require(sk.STRICT_ADD)
+    store = opened.store
+    store.set("max", str(INT64_MAX))
+    with pytest.raises(dist.DistStoreError):
+        store.add("max", 1)
+    assert store.get("max") == str(INT64_MAX).encode()
+    assert store.add("max", -1) == INT64_MAX - 1
+    store.set("min", str(INT64_MIN))
+    with pytest.raises(dist.DistStoreError):
+        store.add("min", -1)
+    assert store.add("min", 0) == INT64_MIN
+    store.set("past", str(INT64_MAX + 1))  # not an int64 even before adding
+    with pytest.raises(dist.DistStoreError):
+        store.add("past", 0)
+    assert store.add("sum", 2**62) == 2**62
+    with pytest.raises(dist.DistStoreError):
+        store.add("sum", 2**62)  # 2**63 overflows
+    with pytest.raises(TypeError):  # not an int64 amount (pybind11's TypeError, for all kinds)
+        store.add("sum", 2**63)
+    assert store.get("sum") == str(2**62).encode()
+
+
 def test_counter_threads_each_with_own_client(opened: sk.Opened) -> None:
     clients = [opened.new_client() for _ in range(4)]
     results: list[list[int]] = [[] for _ in clients]

@@ -27,6 +27,8 @@ Semantics (the mechanics are in ``_etcd_txn``):
 
 from __future__ import annotations
 
+import operator
+import re
 import threading
 import time
 import uuid
@@ -54,6 +56,25 @@ from .errors import StoreError, StoreTimeoutError, WatchCompactedError
 from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
 
 __all__ = ["AmbiguousOutcomeError", "EtcdStore"]
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_DECIMAL = re.compile(rb"-?[0-9]+")  # the native server's counters (std::from_chars)
+
+
+def _counter(raw: bytes) -> int | None:
+    """A stored counter, or None when it is not strict decimal int64."""
+    if _DECIMAL.fullmatch(raw) is None:
+        return None
+    value = int(raw)
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
+
+
+def _int64_amount(amount: int) -> int:
+    amount = operator.index(amount)
+    if not _INT64_MIN <= amount <= _INT64_MAX:
+        raise TypeError(f"add(): amount {amount} is outside int64")
+    return amount
 
 
 class EtcdStore(EtcdSyncMixin, dist.Store):
@@ -218,17 +239,21 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
         return kvs[k].value if k in kvs else None
 
     def add(self, key: Key, amount: int) -> int:  # type: ignore[override]
-        amount = int(amount)
+        """Adds ``amount`` to the decimal int64 counter ``key`` (a missing key counts as 0) and
+        returns the new value. As the native server: the stored value must be strict decimal
+        (an optional ``-`` and ASCII digits), and a sum outside int64 is refused; both raise
+        :class:`StoreError` before anything is written."""
+        delta = _int64_amount(amount)
 
         def decide(kv: Any) -> tuple[tuple[Any, ...], int]:
-            raw = kv.value if kv is not None else b"0"
-            try:
-                now = int(raw) + amount
-            except ValueError:
-                raise StoreError(f"add: value of {key!r} is not an integer: {raw[:40]!r}") from None
+            current = _counter(kv.value) if kv is not None else 0
+            now = None if current is None else current + delta
+            if now is None or not _INT64_MIN <= now <= _INT64_MAX:
+                raise StoreError(f'add "{self._name(self._k(key))}": ADD: the value is not a '
+                                 f"decimal int64, or overflowed")  # the native server's words
             return ("put", str(now).encode()), now
 
-        return self._rmw(self._k(key), decide, "add")[0]
+        return self._rmw(self._k(key), decide, "add")[0]  # type: ignore[no-any-return]
 
     def compare_set_ex(self, key: Key, expected: Value, desired: Value, *,
                        ephemeral: bool = False) -> tuple[bool, bytes | None]:
