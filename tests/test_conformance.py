@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -342,6 +346,29 @@ def test_queue_pop_woken_by_push(opened: sk.Opened) -> None:
     other.queue_push("wq", "pushed")
     waiter.join(timeout=10)
     assert got == [b"pushed"]
+
+
+def test_queue_empty_error_on_a_torch_without_its_own(opened: sk.Opened) -> None:
+    """torch < 2.8 has no ``dist.QueueEmptyError``: our stores still raise a DistStoreError of
+    that name for a non-blocking pop of an empty queue (in a process where torch lacks it)."""
+    if opened.kind.name not in ("elasticstore", "etcd"):
+        pytest.skip("only elasticstore's own Python code raises it")
+    code = (
+        "import json, sys\n"
+        "import torch.distributed as dist\n"
+        "del dist.QueueEmptyError  # as on torch < 2.8\n"
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+        "import store_kinds\n"
+        "store = store_kinds.connect(json.loads(sys.argv[1]))\n"
+        "try:\n"
+        "    store.queue_pop('empty', block=False)\n"
+        "except dist.DistStoreError as exc:\n"
+        "    print(type(exc).__name__, hasattr(dist, 'QueueEmptyError'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(opened.spec)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["QueueEmptyError", "False"], out.stderr[-2000:]
 
 
 def test_barrier_threads(opened: sk.Opened) -> None:
