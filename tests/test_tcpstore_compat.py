@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import socket
 import struct
 import subprocess
@@ -62,9 +63,15 @@ def _run_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[i
     return results
 
 
-def _job_lines(outputs: list[str]) -> list[dict[str, object]]:
-    lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
-    return sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])  # type: ignore[no-any-return]
+def _job_results(results_dir: str) -> list[dict[str, object]]:
+    """The job's results, one file per worker (see ``tcpstore_job.report``): workers share a
+    stdout under torchrun, where two JSON lines once interleaved into one."""
+    results = []
+    for name in sorted(os.listdir(results_dir)):
+        if name.startswith("rank-") and name.endswith(".json"):
+            with open(os.path.join(results_dir, name)) as f:
+                results.append(json.load(f))
+    return sorted(results, key=lambda r: r["rank"])  # type: ignore[no-any-return]
 
 
 def _check_job(results: list[dict[str, object]], world: int) -> None:
@@ -74,8 +81,37 @@ def _check_job(results: list[dict[str, object]], world: int) -> None:
     assert all(r["even_sum"] == sum(evens) for r in results if r["even_sum"] is not None)
 
 
+def test_job_results_survive_interleaved_stdout(tmp_path: pathlib.Path) -> None:
+    """Two workers write to one stdout pipe, one of them in pieces (as a line could be split
+    under torchrun): the harness reads each worker's own result file, whole."""
+    results_dir = str(tmp_path)
+    code = (
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "import tcpstore_job\n"
+        "rank = int(sys.argv[1])\n"
+        "if rank == 0:\n"
+        "    os.write(1, b'{\"rank\": 0, \"partial')  # a line cut in two\n"
+        "    time.sleep(0.3)\n"
+        "else:\n"
+        "    time.sleep(0.1)\n"
+        "tcpstore_job.report({'rank': rank, 'sum': 3.0})\n"
+    )
+    read, write = os.pipe()
+    env = dict(os.environ, ELASTICSTORE_JOB_RESULTS=results_dir)
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(rank)], stdout=write, env=env)
+               for rank in range(2)]
+    os.close(write)
+    with os.fdopen(read) as shared:
+        stdout = shared.read()
+    assert [w.wait(timeout=60) for w in workers] == [0, 0]
+    with pytest.raises(json.JSONDecodeError):  # what parsing the shared stdout ran into
+        [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert _job_results(results_dir) == [{"rank": 0, "sum": 3.0}, {"rank": 1, "sum": 3.0}]
+
+
 def test_env_script_runs_unchanged_on_our_server(
-    cli_server: tuple[str, int, subprocess.Popen[str]],
+    cli_server: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
 ) -> None:
     """Four workers with MASTER_ADDR/MASTER_PORT at our server, as torchrun launches them
     (TORCHELASTIC_USE_AGENT_STORE tells torch the store is hosted elsewhere)."""
@@ -92,11 +128,13 @@ def test_env_script_runs_unchanged_on_our_server(
             WORLD_SIZE=str(world),
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_RESTART_COUNT="0",
+            ELASTICSTORE_JOB_RESULTS=str(tmp_path),
         )
         procs.append(
             subprocess.Popen([sys.executable, JOB], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
-    results = _job_lines([out for _, out, _ in _run_all(procs, JOB_TIMEOUT_S)])
+    _run_all(procs, JOB_TIMEOUT_S)
+    results = _job_results(str(tmp_path))
     _check_job(results, world)
     assert server.poll() is None, "the server must outlive the job"
     probe = elasticstore.Store(host, port, timeout=timedelta(seconds=10))
@@ -104,7 +142,7 @@ def test_env_script_runs_unchanged_on_our_server(
 
 
 def test_torchrun_c10d_rendezvous_on_our_server(
-    cli_server: tuple[str, int, subprocess.Popen[str]],
+    cli_server: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
 ) -> None:
     """torchrun's own c10d rendezvous: 2 agents (127.0.0.2, 127.0.0.3) x 2 workers."""
     host, port, _ = cli_server
@@ -122,8 +160,12 @@ def test_torchrun_c10d_rendezvous_on_our_server(
             "--max-restarts=0",
             JOB,
         ]
-        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = _job_lines([out for _, out, _ in _run_all(agents, JOB_TIMEOUT_S)])
+        env = dict(os.environ, ELASTICSTORE_JOB_RESULTS=str(tmp_path))  # workers inherit it
+        agents.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        )
+    _run_all(agents, JOB_TIMEOUT_S)
+    results = _job_results(str(tmp_path))
     _check_job(results, 4)
     probe = elasticstore.Store(host, port, timeout=timedelta(seconds=10))
     assert any("compat-job" in key for key in probe.list_keys()), "the rendezvous ran on our server"
