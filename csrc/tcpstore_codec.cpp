@@ -45,12 +45,18 @@ class TcpStoreCodec final : public Codec {
 
   Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
             std::string* reason) override {
-    switch (ts::parse_request(data, size, &req_, reason)) {
+    switch (scanner_.scan(data, size, reason)) {  // resumes where the last call stopped
       case ts::Parse::NeedMore: return Step::NeedMore;
       case ts::Parse::Malformed:
       case ts::Parse::TooLarge:
       case ts::Parse::UnknownOp: return Step::Close;
       case ts::Parse::Ready: break;
+    }
+    const std::size_t length = scanner_.length();
+    scanner_.reset();
+    if (ts::parse_request(data, length, &req_, reason) != ts::Parse::Ready) {  // all there: once
+      if (reason->empty()) *reason = "request shorter than its scan";
+      return Step::Close;
     }
     if (!validated_ && req_.op != ts::Op::Validate) {
       *reason = std::string("torch client sent ") + ts::op_name(static_cast<uint8_t>(req_.op)) +
@@ -200,6 +206,7 @@ class TcpStoreCodec final : public Codec {
     return false;
   }
 
+  ts::Scanner scanner_;
   ts::Request req_;
   uint64_t tag_ = 0;
   bool validated_ = false;
