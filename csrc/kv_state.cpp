@@ -119,7 +119,10 @@ bool KvState::queue_try_pop(std::string_view queue, std::string* out) {
   if (it == queues_.end() || it->second.empty()) return false;
   *out = std::move(it->second.front());
   it->second.pop_front();
-  if (it->second.empty()) queues_.erase(it);
+  if (it->second.empty()) {
+    queues_.erase(it);
+    queue_drained(std::string(queue));
+  }
   return true;
 }
 
@@ -130,8 +133,10 @@ bool KvState::erase(std::string_view key) {
     auto s = sessions_.find(it->second.owner);
     if (s != sessions_.end()) s->second.owned.erase(it->first);
   }
+  const std::string name = it->first;
   keys_.erase(it);
-  record(EventKind::Delete, key, {});
+  record(EventKind::Delete, name, {});
+  key_deleted(name);
   return true;
 }
 
@@ -183,12 +188,13 @@ int64_t KvState::queue_len(std::string_view queue) const {
 // ---- history (record() also wakes watchers: kv_waiters.cpp) ------------------------------------
 
 uint64_t KvState::record(EventKind kind, std::string_view key, std::string_view value) {
-  history_.push_back(HistoryEvent{kind, std::string(key), std::string(value), ++revision_});
+  history_.push_back(HistoryEvent{kind, std::string(key), std::make_shared<const std::string>(value),
+                                  ++revision_});
   history_bytes_ += key.size() + value.size() + kHistoryEventOverheadBytes;
   while (history_.size() > 1 &&
          (history_.size() > kWatchHistoryEvents || history_bytes_ > kWatchHistoryBytes)) {
     const HistoryEvent& old = history_.front();
-    history_bytes_ -= old.key.size() + old.value.size() + kHistoryEventOverheadBytes;
+    history_bytes_ -= old.key.size() + old.value->size() + kHistoryEventOverheadBytes;
     compacted_through_ = old.revision;
     history_.pop_front();
   }

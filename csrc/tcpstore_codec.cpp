@@ -68,10 +68,15 @@ class TcpStoreCodec final : public Codec {
     return Step::Handled;
   }
 
-  bool complete(const Completion& c, std::string& out, std::string* reason) override {
+  bool complete(const Completion& c, const KvState&, std::string& out, std::size_t room,
+                std::string* reason) override {
     if (c.status != Status::Ok) {
       *reason = "torch client: " + std::string(status_name(static_cast<uint8_t>(c.status))) +
                 (c.key.empty() ? std::string() : ": " + c.key);
+      return false;
+    }
+    if (room < 1) {
+      *reason = "not reading its replies: unsent output at its limit";
       return false;
     }
     ts::put_u8(out, kStopWaiting);  // WAIT (WaitOrQueue) and BARRIER are the only deferred ops
