@@ -177,11 +177,13 @@ Outcome op_list_keys(Request& q) {
   auto prefix = field(q.r);
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, prefix)) return Outcome::Replied;
-  const std::vector<std::string> keys = q.ctx.kv.list_keys(prefix);
+  const std::vector<const std::string*> keys = q.ctx.kv.list_keys(prefix);
   std::size_t bytes = 4;
-  for (const auto& k : keys) bytes += 4 + k.size();
+  for (const std::string* k : keys) bytes += 4 + k->size();
   if (bytes > kMaxReplyBytes) return refuse(q, Status::TooLarge, over("reply", bytes, kMaxReplyBytes));
-  Reply(q.ctx.out, Status::Ok, q.id).w.keys(keys);
+  Reply rep(q.ctx.out, Status::Ok, q.id);
+  rep.w.u32(static_cast<uint32_t>(keys.size()));
+  for (const std::string* k : keys) rep.w.bytes(*k);
   return Outcome::Replied;
 }
 

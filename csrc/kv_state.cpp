@@ -142,12 +142,12 @@ bool KvState::erase(std::string_view key) {
 
 // Sorted on demand: LIST_KEYS is rare, and a hash map keeps every hot-path lookup O(1) without
 // maintaining a second ordered index on each set.
-std::vector<std::string> KvState::list_keys(std::string_view prefix) const {
-  std::vector<std::string> out;
+std::vector<const std::string*> KvState::list_keys(std::string_view prefix) const {
+  std::vector<const std::string*> out;
   for (const auto& kv : keys_)
     if (kv.first.compare(0, prefix.size(), prefix) == 0 && kv.first.size() >= prefix.size())
-      out.push_back(kv.first);
-  std::sort(out.begin(), out.end());
+      out.push_back(&kv.first);
+  std::sort(out.begin(), out.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
   return out;
 }
 

@@ -96,7 +96,9 @@ class KvState {
   bool check(const std::vector<std::string_view>& keys, bool queues_count = false) const;
   bool erase(std::string_view key);
   std::size_t num_keys() const noexcept { return keys_.size(); }
-  std::vector<std::string> list_keys(std::string_view prefix) const;
+  // The keys under `prefix`, sorted; pointers into the store (valid until the next change), so a
+  // reply can be totalled before anything is copied.
+  std::vector<const std::string*> list_keys(std::string_view prefix) const;
   Status append(std::string_view key, std::string_view value, uint64_t* revision);
   int64_t queue_push(std::string_view queue, std::string_view value);
   int64_t queue_len(std::string_view queue) const;

@@ -166,7 +166,7 @@ class TcpStoreCodec final : public Codec {
       case ts::Op::QueueLen:
         ts::put_i64(out, kv.queue_len(key));
         return true;
-      case ts::Op::ListKeys: return list_keys(kv, out);
+      case ts::Op::ListKeys: return list_keys(kv, out, reason);
       case ts::Op::Barrier:
         if (req_.number < 1 || req_.number > UINT32_MAX)
           return fail(reason, "BARRIER with world size " + std::to_string(req_.number));
@@ -192,15 +192,22 @@ class TcpStoreCodec final : public Codec {
     return true;
   }
 
-  bool list_keys(KvState& kv, std::string& out) {
-    std::vector<std::string> keys = kv.list_keys("");
-    std::size_t shown = 0;
-    for (const auto& k : keys) shown += k != ts::kInitKey;
+  // The reply is totalled first; over kMaxReplyBytes the connection closes (no error reply).
+  bool list_keys(KvState& kv, std::string& out, std::string* reason) {
+    const std::vector<const std::string*> keys = kv.list_keys("");
+    std::size_t shown = 0, bytes = 8;
+    for (const std::string* k : keys) {
+      if (*k == ts::kInitKey) continue;
+      ++shown;
+      bytes += 8 + ts::kClientKeyPrefix.size() + k->size();
+    }
+    if (bytes > kMaxReplyBytes)
+      return fail(reason, "LIST_KEYS reply of " + std::to_string(bytes) + " bytes over the limit");
     ts::put_i64(out, static_cast<int64_t>(shown));
     std::string prefixed;
-    for (const auto& k : keys) {
-      if (k == ts::kInitKey) continue;
-      prefixed.assign(ts::kClientKeyPrefix).append(k);
+    for (const std::string* k : keys) {
+      if (*k == ts::kInitKey) continue;
+      prefixed.assign(ts::kClientKeyPrefix).append(*k);
       ts::put_bytes(out, prefixed);
     }
     return true;

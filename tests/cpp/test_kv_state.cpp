@@ -297,8 +297,8 @@ TEST(list_keys_sorted_by_prefix) {
   for (const char* k : {"b/2", "a/1", "b/1", "c", "b"}) f.kv.set(1, k, "v", false);
   const auto keys = f.kv.list_keys("b/");
   CHECK_EQ(keys.size(), std::size_t{2});
-  CHECK_EQ(keys.at(0), std::string("b/1"));
-  CHECK_EQ(keys.at(1), std::string("b/2"));
+  CHECK_EQ(*keys.at(0), std::string("b/1"));
+  CHECK_EQ(*keys.at(1), std::string("b/2"));
   CHECK_EQ(f.kv.list_keys("").size(), std::size_t{5});
 }
 
