@@ -301,7 +301,7 @@ std::size_t keys_bytes(const std::vector<std::string>& ks) {
   return n;
 }
 std::size_t payload_bytes(const Completion& c, const KvState& kv) {
-  if (c.status == Status::Error) return 4 + c.key.size();
+  if (c.status == Status::Error || c.status == Status::TooLarge) return 4 + c.key.size();
   const bool ok = c.status == Status::Ok;
   switch (c.kind) {
     case WaitKind::Get: {
@@ -331,7 +331,7 @@ std::size_t payload_bytes(const Completion& c, const KvState& kv) {
 // Appends the reply of a completion (payload_bytes() said it fits and all it names exists).
 void encode_completion(const Completion& c, const KvState& kv, std::string& out) {
   const auto id = static_cast<uint32_t>(c.tag);
-  if (c.status == Status::Error) {
+  if (c.status == Status::Error || c.status == Status::TooLarge) {
     Reply(out, c.status, id).w.bytes(c.key);
     return;
   }

@@ -29,6 +29,10 @@ using WaiterId = uint64_t;
 inline constexpr uint64_t kNoDeadline = ~uint64_t{0};
 // Bookkeeping charged to each history event besides its key and value bytes.
 inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
+// Bookkeeping charged to a blocked request against kMaxWaitingBytes*, besides twice its key bytes
+// (its copy and the index's): per request, and per key (list node, iterator, index entry).
+inline constexpr std::size_t kWaiterOverheadBytes = 256;
+inline constexpr std::size_t kWaiterKeyOverheadBytes = 160;
 
 // WaitOrQueue is torch's WAIT: a key also counts as present while a queue of that name holds
 // items (torch's client sends WAIT on the queue before a blocking QUEUE_POP).
@@ -124,6 +128,7 @@ class KvState {
   // ---- stats ----
   uint64_t revision() const noexcept { return revision_; }
   std::size_t waiter_count() const noexcept { return waiters_.size(); }
+  std::size_t waiting_bytes() const noexcept { return waiting_bytes_; }  // charged, all sessions
   std::size_t queue_count() const noexcept { return queues_.size(); }
   std::size_t history_size() const noexcept { return history_.size(); }
   // Barrier names the server holds: in progress, or released once (their generation is kept).
@@ -145,6 +150,7 @@ class KvState {
     uint64_t after = 0;             // WATCH
     WaitList::iterator pos;
     std::vector<WaitList::iterator> positions;  // Keys: one per entry of `keys`
+    std::size_t charge = 0;                     // bytes counted in waiting_bytes_
     bool linked = false;
   };
   // A barrier generation in progress. Once nobody waits, the entry is erased; a released name
@@ -157,11 +163,16 @@ class KvState {
   struct Session {
     std::unordered_set<WaiterId> waiters;
     std::unordered_set<std::string> owned;
+    std::size_t waiting_bytes = 0;
   };
 
   uint64_t deadline_for(uint32_t timeout_ms) const;
+  // What parking a request on these keys costs, and whether that is refused: then a TOO_LARGE
+  // completion is queued and nothing else changes.
+  static std::size_t charge_for(std::size_t nkeys, std::size_t key_bytes) noexcept;
+  bool refuse_park(ConnId conn, uint64_t tag, WaitKind kind, std::size_t charge);
   WaiterId park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeout_ms,
-                std::vector<std::string> keys);
+                std::vector<std::string> keys, std::size_t charge);
   void link(WaiterId id, Waiter& w, Index index, const std::string& name);
   void unlink(WaiterId id, Waiter& w);
   void finish(WaiterId id, Completion c);  // completes and destroys the waiter
@@ -198,6 +209,7 @@ class KvState {
   std::unordered_map<ConnId, Session> sessions_;
 
   std::unordered_map<WaiterId, Waiter> waiters_;
+  std::size_t waiting_bytes_ = 0;
   WaiterId next_waiter_ = 1;
   std::unordered_map<std::string, WaitList> key_waiters_;
   std::unordered_map<std::string, WaitList> pop_waiters_;

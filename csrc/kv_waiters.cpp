@@ -96,8 +96,25 @@ uint64_t KvState::deadline_for(uint32_t timeout_ms) const {
   return timeout_ms == kNoTimeout ? kNoDeadline : clock_() + timeout_ms;
 }
 
+std::size_t KvState::charge_for(std::size_t nkeys, std::size_t key_bytes) noexcept {
+  return kWaiterOverheadBytes + nkeys * kWaiterKeyOverheadBytes + 2 * key_bytes;
+}
+
+bool KvState::refuse_park(ConnId conn, uint64_t tag, WaitKind kind, std::size_t charge) {
+  const std::size_t mine = sessions_[conn].waiting_bytes;
+  const bool own = mine + charge > kMaxWaitingBytesPerConnection;
+  if (!own && waiting_bytes_ + charge <= kMaxWaitingBytes) return false;
+  Completion c = make(conn, tag, kind, Status::TooLarge);
+  c.key = std::string("blocked requests would hold ") +
+          std::to_string((own ? mine : waiting_bytes_) + charge) + " bytes, over the limit of " +
+          std::to_string(own ? kMaxWaitingBytesPerConnection : kMaxWaitingBytes) +
+          (own ? " per connection" : " for all connections");
+  ready_.push_back(std::move(c));
+  return true;
+}
+
 WaiterId KvState::park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeout_ms,
-                       std::vector<std::string> keys) {
+                       std::vector<std::string> keys, std::size_t charge) {
   const WaiterId id = next_waiter_++;
   Waiter& w = waiters_[id];
   w.conn = conn;
@@ -105,7 +122,11 @@ WaiterId KvState::park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeou
   w.kind = kind;
   w.deadline = deadline_for(timeout_ms);
   w.keys = std::move(keys);
-  sessions_[conn].waiters.insert(id);
+  w.charge = charge;
+  waiting_bytes_ += charge;
+  Session& s = sessions_[conn];
+  s.waiters.insert(id);
+  s.waiting_bytes += charge;
   if (w.deadline != kNoDeadline) deadlines_.emplace(w.deadline, id);
   return id;
 }
@@ -172,7 +193,11 @@ void KvState::drop(WaiterId id) {
   Waiter& w = it->second;
   unlink(id, w);
   if (w.deadline != kNoDeadline) deadlines_.erase({w.deadline, id});
-  if (auto s = sessions_.find(w.conn); s != sessions_.end()) s->second.waiters.erase(id);
+  if (auto s = sessions_.find(w.conn); s != sessions_.end()) {
+    s->second.waiters.erase(id);
+    s->second.waiting_bytes -= w.charge;
+  }
+  waiting_bytes_ -= w.charge;
   waiters_.erase(it);
 }
 
@@ -228,8 +253,9 @@ void KvState::get(ConnId conn, uint64_t tag, std::string_view key, uint32_t time
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     ready_.push_back(make(conn, tag, WaitKind::Get, Status::Timeout));
-  } else {
-    const WaiterId id = park(conn, tag, WaitKind::Get, timeout_ms, {std::string(key)});
+  } else if (const std::size_t charge = charge_for(1, key.size());
+             !refuse_park(conn, tag, WaitKind::Get, charge)) {
+    const WaiterId id = park(conn, tag, WaitKind::Get, timeout_ms, {std::string(key)}, charge);
     Waiter& w = waiters_.at(id);
     link(id, w, Index::Key, w.keys[0]);
   }
@@ -249,8 +275,12 @@ void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view
       if (!present(k, kind)) c.values.emplace_back(k);
     ready_.push_back(std::move(c));
   } else {
-    const WaiterId id =
-        park(conn, tag, kind, timeout_ms, std::vector<std::string>(keys.begin(), keys.end()));
+    std::size_t key_bytes = 0;
+    for (auto k : keys) key_bytes += k.size();
+    const std::size_t charge = charge_for(keys.size(), key_bytes);
+    if (refuse_park(conn, tag, kind, charge)) return;
+    const WaiterId id = park(conn, tag, kind, timeout_ms,
+                             std::vector<std::string>(keys.begin(), keys.end()), charge);
     Waiter& w = waiters_.at(id);
     w.missing = missing;
     link(id, w, Index::Keys, w.keys[0]);
@@ -265,8 +295,10 @@ void KvState::queue_pop(ConnId conn, uint64_t tag, std::string_view queue, uint3
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     ready_.push_back(make(conn, tag, WaitKind::QueuePop, Status::Timeout));
-  } else {
-    const WaiterId id = park(conn, tag, WaitKind::QueuePop, timeout_ms, {std::string(queue)});
+  } else if (const std::size_t charge = charge_for(1, queue.size());
+             !refuse_park(conn, tag, WaitKind::QueuePop, charge)) {
+    const WaiterId id =
+        park(conn, tag, WaitKind::QueuePop, timeout_ms, {std::string(queue)}, charge);
     Waiter& w = waiters_.at(id);
     link(id, w, Index::Pop, w.keys[0]);
   }
@@ -294,6 +326,7 @@ void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t 
   };
   if (world_size == 0) return reply(Status::Error, 0, 0, "barrier world_size must be at least 1");
   const std::string name(key);
+  const std::size_t charge = charge_for(1, key.size());
   auto it = barriers_.find(name);
   if (it == barriers_.end()) {  // nobody waits: a new generation starts with this arrival
     auto g = barrier_generations_.find(name);
@@ -304,6 +337,7 @@ void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t 
       return reply(Status::Ok, generation, 0, {});
     }
     if (timeout_ms == 0) return reply(Status::Timeout, 0, 1, {});
+    if (refuse_park(conn, tag, WaitKind::Barrier, charge)) return;
     if (g != barrier_generations_.end()) barrier_generations_.erase(g);
     Barrier& b = barriers_[name];
     b.generation = generation;
@@ -327,8 +361,9 @@ void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t 
     }
     if (timeout_ms == 0)
       return reply(Status::Timeout, 0, static_cast<uint32_t>(b.arrived.size() + 1), {});
+    if (refuse_park(conn, tag, WaitKind::Barrier, charge)) return;
   }
-  const WaiterId id = park(conn, tag, WaitKind::Barrier, timeout_ms, {name});
+  const WaiterId id = park(conn, tag, WaitKind::Barrier, timeout_ms, {name}, charge);
   Waiter& w = waiters_.at(id);
   link(id, w, Index::Barrier, w.keys[0]);
 }
@@ -361,8 +396,11 @@ void KvState::watch(ConnId conn, uint64_t tag, std::string_view key, bool is_pre
   } else if (timeout_ms == 0) {
     c.status = Status::Timeout;
     c.revision = revision_;
+  } else if (const std::size_t charge = charge_for(1, key.size());
+             refuse_park(conn, tag, WaitKind::Watch, charge)) {
+    return;
   } else {
-    const WaiterId id = park(conn, tag, WaitKind::Watch, timeout_ms, {std::string(key)});
+    const WaiterId id = park(conn, tag, WaitKind::Watch, timeout_ms, {std::string(key)}, charge);
     Waiter& w = waiters_.at(id);
     w.after = after;
     link(id, w, is_prefix ? Index::WatchPrefix : Index::WatchKey, w.keys[0]);

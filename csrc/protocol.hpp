@@ -37,6 +37,12 @@ inline constexpr std::size_t kMaxWriteBufferBytes = kOutputPauseBytes + kFrameHe
 // Bytes buffered across all connections (unfinished requests plus unsent replies). A connection
 // whose input or reply would take the total past it is closed with a logged reason.
 inline constexpr std::size_t kMaxBufferedBytes = std::size_t{1024} * 1024 * 1024;
+// Memory held by blocked requests (their keys and index entries), per connection and in total: a
+// blocking request that would go past either is refused with TOO_LARGE (torch's protocol, which has
+// no error reply: the connection closes). A connection may pipeline blocking requests, so without
+// this bound one peer could park any number of 8 MiB WAITs.
+inline constexpr std::size_t kMaxWaitingBytesPerConnection = 64 * 1024 * 1024;
+inline constexpr std::size_t kMaxWaitingBytes = std::size_t{1024} * 1024 * 1024;
 // Time a client has to finish sending a frame it started.
 inline constexpr uint32_t kFrameTimeoutMs = 30'000;
 inline constexpr std::size_t kMaxClientNameBytes = 256;

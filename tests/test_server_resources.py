@@ -369,3 +369,34 @@ def test_barrier_names_cost_little_and_timed_out_ones_nothing(server: Server) ->
     print(f"barrier names: {per_name:.0f} bytes each")
     assert c.stats()["barriers"] == n + 1
     assert per_name < 90, f"{per_name:.0f} bytes per released barrier name"
+
+
+# ---- blocked requests: their memory is bounded per connection ------------------------------------
+
+def test_pipelined_blocking_requests_are_bounded(server: Server) -> None:
+    c = Native(server.port)
+    names = [b"w%07d" % i for i in range(20_000)]
+    request = keys(names) + struct.pack("<I", 60_000)  # 220 KB naming 20K missing keys
+    n = 400  # 88 MB sent
+    base = server.rss()
+    for i in range(0, n, 50):
+        c.send(b"".join(frame(WAIT, j, request) for j in range(i, i + 50)))
+    refused = 0
+    c.sock.settimeout(0.5)
+    try:
+        while True:
+            status, _, message = c.reply()
+            assert status == TOO_LARGE, message
+            refused += 1
+    except TimeoutError:
+        pass
+    grown = server.rss() - base
+    print(f"{n} pipelined 20K-key WAITs: {refused} refused, server RSS +{grown / MIB:.0f} MiB")
+    assert refused > n // 2
+    assert grown < 128 * MIB, f"server RSS grew by {grown / MIB:.0f} MiB"
+    other = Native(server.port)  # another connection may still block
+    other.send(frame(WAIT, 1, keys(names[:10]) + struct.pack("<I", 60_000)))
+    setter = Native(server.port)
+    payload = struct.pack("<I", 10) + b"".join(blob(k) + blob(b"1") for k in names[:10])
+    assert setter.call(MULTI_SET, payload)[0] == OK
+    assert other.reply()[0] == OK

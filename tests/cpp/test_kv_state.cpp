@@ -392,3 +392,29 @@ TEST(barrier_entries_are_erased_when_idle) {
   CHECK_EQ(f.ready().at(0).revision, 0ull);
   CHECK_EQ(f.kv.barrier_count(), std::size_t{2});
 }
+
+TEST(blocked_requests_are_bounded_per_connection) {
+  Fixture f;
+  std::vector<std::string> names;
+  for (int i = 0; i < 10000; ++i) names.push_back("key-" + std::to_string(i));
+  const SV keys(names.begin(), names.end());
+  std::size_t parked = 0;
+  for (uint64_t tag = 1; tag <= 100; ++tag) {
+    f.kv.wait(1, tag, keys, kNoTimeout);
+    if (!f.ready().empty()) {
+      CHECK(f.done.at(0).status == Status::TooLarge);
+      CHECK(f.done.at(0).key.find("per connection") != std::string::npos);
+      break;
+    }
+    ++parked;
+  }
+  CHECK(parked > 10 && parked < 100);
+  CHECK(f.kv.waiting_bytes() <= kMaxWaitingBytesPerConnection);
+  f.kv.get(2, 1, "other", kNoTimeout);  // another connection still may block
+  CHECK(f.ready().empty());
+  f.kv.cancel_waiters(1);  // what a connection's requests held is given back
+  f.kv.cancel_waiters(2);
+  CHECK_EQ(f.kv.waiting_bytes(), std::size_t{0});
+  f.kv.wait(1, 200, keys, kNoTimeout);
+  CHECK(f.ready().empty());
+}
