@@ -164,6 +164,8 @@ bool Connection::flush() {
 bool Connection::deliver(const Completion& c, const KvState& kv, std::size_t global_room,
                          std::size_t global_limit) {
   if (state_ == ConnState::Closing || !codec_) return true;
+  // Give the kernel what it takes first, so that only output the peer really left unread counts.
+  if (out_.size() > kOutputPauseBytes && !flush()) return false;
   const std::size_t own_room = out_.size() < kMaxWriteBufferBytes ? kMaxWriteBufferBytes - out_.size() : 0;
   const bool budget_bound = global_room < own_room;
   std::string reason;

@@ -543,13 +543,15 @@ TEST(buffer_budget_drops_the_connection_that_would_exceed_it) {
   auto writer = greeted(srv.port());
   auto sleeper = greeted(srv.port());
   std::string gets;
-  for (uint32_t i = 0; i < 5; ++i) gets += get_frame(10 + i, "w", kNoTimeout);
+  constexpr uint32_t kGets = 24;
+  for (uint32_t i = 0; i < kGets; ++i) gets += get_frame(10 + i, "w", kNoTimeout);
   CHECK(sleeper->send(gets));
   const auto deadline = Clock::now() + std::chrono::milliseconds(kWaitMs);
-  while (stat(srv, "waiters") < 5 && Clock::now() < deadline) ::usleep(1000);
-  CHECK_EQ(stat(srv, "waiters"), 5ull);
-  // One set wakes 5 MiB of replies for one connection, over the 3 MiB budget: that connection
-  // is dropped before its replies are built; the writer is served.
+  while (stat(srv, "waiters") < kGets && Clock::now() < deadline) ::usleep(1000);
+  CHECK_EQ(stat(srv, "waiters"), uint64_t{kGets});
+  // One set wakes 24 MiB of replies for a connection that does not read: more than the kernel's
+  // socket buffers take and over the 3 MiB budget. That connection is dropped before the reply
+  // that would exceed the budget is built; the writer is served.
   CHECK(writer->send(set_frame(2, "w", std::string(1024 * 1024, 'x'))));
   Reply r = writer->recv();
   CHECK(r.ok && r.status == 0 && r.id == 2);
