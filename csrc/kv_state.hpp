@@ -1,11 +1,14 @@
 // The store's data and its waiters; no sockets, no wire format. Every codec (native now, torch's
 // TCPStore later) decodes requests into calls here and encodes the Completions this produces.
 //
-// Waiters (Redis blocked.c): a blocked request is a record in `waiters_`, linked into exactly one
-// index list (the key it waits for, the queue, the barrier, the watched key or prefix) through a
-// stored list iterator, into its session's waiter set, and into the deadline index. Unlinking is
-// O(1) per index, so closing a connection costs O(its own waiters). A finished waiter becomes a
-// Completion on the ready list, which the server drains after each command.
+// Waiters (Redis blocked.c): a blocked request is a record in `waiters_`, linked into an index
+// list (the key it waits for, the queue, the barrier, the watched key or prefix; a multi-key WAIT or
+// MULTI_GET into the list of each of its keys, counting the missing ones) through stored list
+// iterators, into its session's waiter set, and into the deadline index. Unlinking is O(1) per
+// list, so closing a connection costs O(its own waiters' keys), and a change to a key costs
+// O(waiters of that key). What blocked requests hold is charged per session and in total
+// (kMaxWaitingBytes*). A finished waiter becomes a Completion on the ready list, which the server
+// drains after each command.
 #pragma once
 
 #include <cstdint>
