@@ -1,5 +1,6 @@
 #include "commands.hpp"
 
+#include <cstdint>
 #include <string_view>
 
 #include "protocol.hpp"
@@ -176,11 +177,13 @@ Outcome op_list_keys(Request& q) {
   auto prefix = field(q.r);
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, prefix)) return Outcome::Replied;
-  const std::vector<std::string> keys = q.ctx.kv.list_keys(prefix);
+  const std::vector<const std::string*> keys = q.ctx.kv.list_keys(prefix);
   std::size_t bytes = 4;
-  for (const auto& k : keys) bytes += 4 + k.size();
+  for (const std::string* k : keys) bytes += 4 + k->size();
   if (bytes > kMaxReplyBytes) return refuse(q, Status::TooLarge, over("reply", bytes, kMaxReplyBytes));
-  Reply(q.ctx.out, Status::Ok, q.id).w.keys(keys);
+  Reply rep(q.ctx.out, Status::Ok, q.id);
+  rep.w.u32(static_cast<uint32_t>(keys.size()));
+  for (const std::string* k : keys) rep.w.bytes(*k);
   return Outcome::Replied;
 }
 
@@ -289,19 +292,48 @@ constexpr Handler kHandlers[kMaxOp + 1] = {
     op_ping,        op_barrier,    op_watch,   op_stats,
 };
 
-void encode_completion(const Completion& c, std::string& out) {
+// The payload bytes of a completion's reply, or SIZE_MAX when a value it names is gone (only
+// defensive: nothing deletes keys between a completion and its encoding).
+constexpr std::size_t kGone = SIZE_MAX;
+std::size_t keys_bytes(const std::vector<std::string>& ks) {
+  std::size_t n = 4;
+  for (const auto& k : ks) n += 4 + k.size();
+  return n;
+}
+std::size_t payload_bytes(const Completion& c, const KvState& kv) {
+  if (c.status == Status::Error || c.status == Status::TooLarge) return 4 + c.key.size();
+  const bool ok = c.status == Status::Ok;
+  switch (c.kind) {
+    case WaitKind::Get: {
+      if (!ok) return 0;
+      const Entry* e = kv.find(c.key);
+      return e ? 4 + e->value.size() + 8 : kGone;
+    }
+    case WaitKind::Wait:
+    case WaitKind::WaitOrQueue: return ok ? 0 : keys_bytes(c.values);
+    case WaitKind::MultiGet: {
+      if (!ok) return keys_bytes(c.values);
+      std::size_t n = 4;
+      for (const auto& k : c.values) {  // totals first: nothing is copied for a refused reply
+        const Entry* e = kv.find(k);
+        if (!e) return kGone;
+        n += 4 + e->value.size();
+      }
+      return n;
+    }
+    case WaitKind::QueuePop: return ok ? 4 + c.values.at(0).size() : 0;
+    case WaitKind::Barrier: return 8;  // generation, or arrived + world_size
+    case WaitKind::Watch: return (ok ? 1 + 4 + c.key.size() + 4 + c.value->size() : 0) + 8;
+  }
+  return 0;
+}
+
+// Appends the reply of a completion (payload_bytes() said it fits and all it names exists).
+void encode_completion(const Completion& c, const KvState& kv, std::string& out) {
   const auto id = static_cast<uint32_t>(c.tag);
-  if (c.status == Status::Error) {
+  if (c.status == Status::Error || c.status == Status::TooLarge) {
     Reply(out, c.status, id).w.bytes(c.key);
     return;
-  }
-  if (c.kind == WaitKind::MultiGet && c.status == Status::Ok) {
-    std::size_t bytes = 4;
-    for (const auto& v : c.values) bytes += 4 + v.size();
-    if (bytes > kMaxReplyBytes) {
-      Reply(out, Status::TooLarge, id).w.bytes(over("reply", bytes, kMaxReplyBytes));
-      return;
-    }
   }
   Reply rep(out, c.status, id);
   Writer& w = rep.w;
@@ -309,8 +341,9 @@ void encode_completion(const Completion& c, std::string& out) {
   switch (c.kind) {
     case WaitKind::Get:
       if (ok) {
-        w.bytes(c.values.at(0));
-        w.u64(c.revision);
+        const Entry* e = kv.find(c.key);
+        w.bytes(e->value);
+        w.u64(e->mod_revision);
       }
       break;
     case WaitKind::Wait:
@@ -320,7 +353,7 @@ void encode_completion(const Completion& c, std::string& out) {
     case WaitKind::MultiGet:
       if (ok) {
         w.u32(static_cast<uint32_t>(c.values.size()));
-        for (const auto& v : c.values) w.bytes(v);
+        for (const auto& k : c.values) w.bytes(kv.find(k)->value);
       } else {
         w.keys(c.values);
       }
@@ -340,11 +373,34 @@ void encode_completion(const Completion& c, std::string& out) {
       if (ok) {
         w.u8(static_cast<uint8_t>(c.event));
         w.bytes(c.key);
-        w.bytes(c.values.at(0));
+        w.bytes(*c.value);
       }
       w.u64(c.revision);  // the event's, the current (TIMEOUT) or the oldest held (COMPACTED)
       break;
   }
+}
+
+// Over kMaxReplyBytes: TOO_LARGE (the peer asked for too much). Over `room`: no reply, close (the
+// peer does not read what it asked for).
+bool encode_bounded(const Completion& c, const KvState& kv, std::string& out, std::size_t room,
+                    std::string* reason) {
+  const auto id = static_cast<uint32_t>(c.tag);
+  const std::size_t payload = payload_bytes(c, kv);
+  if (payload == kGone) {
+    Reply(out, Status::Error, id).w.bytes("a key of the reply was deleted before it was sent");
+    return true;
+  }
+  if (payload > kMaxReplyBytes) {
+    Reply(out, Status::TooLarge, id).w.bytes(over("reply", payload, kMaxReplyBytes));
+    return true;
+  }
+  if (kFrameHeaderBytes + payload > room) {
+    *reason = "not reading its replies: a reply of " + std::to_string(payload) +
+              " bytes does not fit the " + std::to_string(room) + " bytes left of its output limit";
+    return false;
+  }
+  encode_completion(c, kv, out);
+  return true;
 }
 
 class NativeCodec final : public Codec {
@@ -385,9 +441,9 @@ class NativeCodec final : public Codec {
     return Step::Handled;
   }
 
-  bool complete(const Completion& c, std::string& out, std::string*) override {
-    encode_completion(c, out);
-    return true;
+  bool complete(const Completion& c, const KvState& kv, std::string& out, std::size_t room,
+                std::string* reason) override {
+    return encode_bounded(c, kv, out, room, reason);
   }
 
  private:

@@ -39,9 +39,13 @@ class Codec {
   // Handled: *consumed bytes are done. Close: *reason says why (logged, then the connection closes).
   virtual Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
                     std::string* reason) = 0;
-  // Encodes a finished blocking request for this codec's peer. False: the completion cannot be
-  // expressed in this protocol; *reason says why and the connection closes.
-  virtual bool complete(const Completion& c, std::string& out, std::string* reason) = 0;
+  // Encodes a finished blocking request for this codec's peer, reading the values it names from
+  // `kv`. The reply's size is known before anything is built: a reply over the protocol's reply
+  // limit becomes an error reply, and one that would append more than `room` bytes is not built
+  // at all. False: the completion cannot be sent (no room, or the protocol cannot express it);
+  // *reason says why and the connection closes.
+  virtual bool complete(const Completion& c, const KvState& kv, std::string& out,
+                        std::size_t room, std::string* reason) = 0;
   // True once the codec's handshake is done (native: HELLO answered).
   virtual bool handshake_done() const noexcept = 0;
 };

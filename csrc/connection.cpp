@@ -70,7 +70,12 @@ std::size_t Connection::sniff(const char* data, std::size_t size) {
 // Handles whole requests from the front of [data, size); returns the bytes consumed.
 std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size_t size) {
   std::size_t used = 0;
+  held_ = false;
   while (used < size && state_ != ConnState::Closing) {
+    if (paused()) {  // backpressure: the rest waits in in_ until the replies drain
+      held_ = true;
+      break;
+    }
     if (state_ == ConnState::AwaitingPreamble) {
       const std::size_t n = sniff(data + used, size - used);
       if (state_ == ConnState::AwaitingPreamble || state_ == ConnState::Closing) break;
@@ -96,9 +101,21 @@ std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size
   return used;
 }
 
+bool Connection::resume(ConnectionHost& host) {
+  if (state_ == ConnState::Closing) return false;
+  progressed_ = false;
+  if (!held_ || paused()) return true;
+  const std::size_t used = handle(host, in_.data(), in_.size());
+  if (state_ == ConnState::Closing) return false;
+  in_.consume(used);
+  return true;
+}
+
 bool Connection::on_readable(ConnectionHost& host, char* scratch, std::size_t scratch_size) {
   progressed_ = false;
   if (state_ == ConnState::Closing) return false;
+  if (paused()) return true;  // not reading while paused (the server masks kReadable)
+  if (held_ && (!resume(host) || held_)) return state_ != ConnState::Closing;
   const ssize_t n = ::read(fd_, scratch, scratch_size);
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
@@ -144,16 +161,22 @@ bool Connection::flush() {
   return true;
 }
 
-bool Connection::deliver(const Completion& c) {
+bool Connection::deliver(const Completion& c, const KvState& kv, std::size_t global_room,
+                         std::size_t global_limit) {
   if (state_ == ConnState::Closing || !codec_) return true;
+  // Give the kernel what it takes first, so that only output the peer really left unread counts.
+  if (out_.size() > kOutputPauseBytes && !flush()) return false;
+  const std::size_t own_room = out_.size() < kMaxWriteBufferBytes ? kMaxWriteBufferBytes - out_.size() : 0;
+  const bool budget_bound = global_room < own_room;
   std::string reason;
-  if (!codec_->complete(c, out_.tail(), &reason)) {
+  if (!codec_->complete(c, kv, out_.tail(), budget_bound ? global_room : own_room, &reason)) {
+    if (budget_bound)
+      reason = "dropped to keep the server's buffers within their budget of " +
+               std::to_string(global_limit) + " bytes across connections (" + reason + ")";
     fail(std::move(reason), false);
     return false;
   }
-  if (out_.size() <= kMaxWriteBufferBytes) return true;
-  fail("write buffer over kMaxWriteBufferBytes", false);
-  return false;
+  return true;
 }
 
 }  // namespace elasticstore

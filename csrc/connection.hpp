@@ -46,16 +46,25 @@ class Connection {
   ConnState state() const noexcept { return state_; }
   void set_state(ConnState next) noexcept;
 
-  // Reads once into `scratch` and handles every whole request. Returns false when the connection
-  // must close; close_reason()/bad_input() then say why.
+  // Reads once into `scratch` and handles every whole request, stopping early while paused().
+  // Returns false when the connection must close; close_reason()/bad_input() then say why.
   bool on_readable(ConnectionHost& host, char* scratch, std::size_t scratch_size);
+  // Handles the requests held back while paused (none are read from the socket). False: closing.
+  bool resume(ConnectionHost& host);
   // Writes as much of the write buffer as the kernel takes. False on a socket error.
   bool flush();
-  // Appends a finished blocking request; false when the write buffer went over its limit.
-  bool deliver(const Completion& c);
+  // Appends a finished blocking request if it fits the connection's output limit and the
+  // server's budget (`global_room` left of `global_limit`); otherwise closes the connection and
+  // returns false.
+  bool deliver(const Completion& c, const KvState& kv, std::size_t global_room,
+               std::size_t global_limit);
 
   bool wants_write() const noexcept { return !out_.empty(); }
-  bool has_partial_request() const noexcept { return !in_.empty(); }
+  // Unsent replies over kOutputPauseBytes: read no requests until they drain.
+  bool paused() const noexcept { return out_.size() > kOutputPauseBytes; }
+  // Whole requests already read but held back by a pause (handled by resume()).
+  bool input_held() const noexcept { return held_; }
+  bool has_partial_request() const noexcept { return !in_.empty() && !held_; }
   bool progressed() const noexcept { return progressed_; }  // a request completed in last read
   std::size_t buffered_bytes() const noexcept { return in_.size() + out_.size(); }
   const std::string& close_reason() const noexcept { return close_reason_; }
@@ -64,7 +73,7 @@ class Connection {
 
   // Server bookkeeping.
   EventLoop::TimerId frame_timer = 0;
-  bool epollout = false;        // EPOLLOUT registered (a write is blocked)
+  uint32_t events = 0;          // kReadable/kWritable registered with the loop
   bool dirty = false;           // in the server's flush list
   bool queued_close = false;    // session closed, awaiting reaping
   std::size_t accounted = 0;    // bytes counted in the server's bytes_buffered
@@ -83,6 +92,7 @@ class Connection {
   std::string close_reason_;
   bool bad_input_ = false;
   bool progressed_ = false;
+  bool held_ = false;  // in_ starts with requests not handled because of a pause
 };
 
 }  // namespace elasticstore

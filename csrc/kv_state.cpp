@@ -119,7 +119,10 @@ bool KvState::queue_try_pop(std::string_view queue, std::string* out) {
   if (it == queues_.end() || it->second.empty()) return false;
   *out = std::move(it->second.front());
   it->second.pop_front();
-  if (it->second.empty()) queues_.erase(it);
+  if (it->second.empty()) {
+    queues_.erase(it);
+    queue_drained(std::string(queue));
+  }
   return true;
 }
 
@@ -130,19 +133,21 @@ bool KvState::erase(std::string_view key) {
     auto s = sessions_.find(it->second.owner);
     if (s != sessions_.end()) s->second.owned.erase(it->first);
   }
+  const std::string name = it->first;
   keys_.erase(it);
-  record(EventKind::Delete, key, {});
+  record(EventKind::Delete, name, {});
+  key_deleted(name);
   return true;
 }
 
 // Sorted on demand: LIST_KEYS is rare, and a hash map keeps every hot-path lookup O(1) without
 // maintaining a second ordered index on each set.
-std::vector<std::string> KvState::list_keys(std::string_view prefix) const {
-  std::vector<std::string> out;
+std::vector<const std::string*> KvState::list_keys(std::string_view prefix) const {
+  std::vector<const std::string*> out;
   for (const auto& kv : keys_)
     if (kv.first.compare(0, prefix.size(), prefix) == 0 && kv.first.size() >= prefix.size())
-      out.push_back(kv.first);
-  std::sort(out.begin(), out.end());
+      out.push_back(&kv.first);
+  std::sort(out.begin(), out.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
   return out;
 }
 
@@ -183,12 +188,13 @@ int64_t KvState::queue_len(std::string_view queue) const {
 // ---- history (record() also wakes watchers: kv_waiters.cpp) ------------------------------------
 
 uint64_t KvState::record(EventKind kind, std::string_view key, std::string_view value) {
-  history_.push_back(HistoryEvent{kind, std::string(key), std::string(value), ++revision_});
+  history_.push_back(HistoryEvent{kind, std::string(key), std::make_shared<const std::string>(value),
+                                  ++revision_});
   history_bytes_ += key.size() + value.size() + kHistoryEventOverheadBytes;
   while (history_.size() > 1 &&
          (history_.size() > kWatchHistoryEvents || history_bytes_ > kWatchHistoryBytes)) {
     const HistoryEvent& old = history_.front();
-    history_bytes_ -= old.key.size() + old.value.size() + kHistoryEventOverheadBytes;
+    history_bytes_ -= old.key.size() + old.value->size() + kHistoryEventOverheadBytes;
     compacted_through_ = old.revision;
     history_.pop_front();
   }

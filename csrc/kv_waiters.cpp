@@ -22,7 +22,7 @@ void KvState::notify_watchers(const HistoryEvent& ev) {
     Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
     c.event = ev.kind;
     c.key = ev.key;
-    c.values.push_back(ev.value);
+    c.value = ev.value;  // shared: N watchers of one event cost one copy of its value
     c.revision = ev.revision;
     finish(id, std::move(c));
   }
@@ -31,49 +31,54 @@ void KvState::notify_watchers(const HistoryEvent& ev) {
 void KvState::key_created(const std::string& key) {
   auto it = key_waiters_.find(key);
   if (it == key_waiters_.end()) return;
-  const std::vector<WaiterId> ids(it->second.begin(), it->second.end());
-  for (WaiterId id : ids) {
-    Waiter& w = waiters_.at(id);
-    if (w.kind == WaitKind::Get) {
-      const Entry* e = find(key);
-      Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
-      c.values.push_back(e->value);
-      c.revision = e->mod_revision;
-      finish(id, std::move(c));
-    } else {
-      advance(id, w);
-    }
+  std::vector<WaiterId> gets;
+  for (WaiterId id : it->second)
+    if (waiters_.at(id).kind == WaitKind::Get) gets.push_back(id);
+  for (WaiterId id : gets) {
+    const Waiter& w = waiters_.at(id);
+    Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
+    c.key = key;  // the codec reads the value when it encodes the reply
+    finish(id, std::move(c));
   }
+  presence_changed(key, true, Affects::Both);
 }
+
+void KvState::key_deleted(const std::string& key) { presence_changed(key, false, Affects::Both); }
 
 void KvState::queue_filled(const std::string& queue) {
-  auto it = key_waiters_.find(queue);
-  if (it == key_waiters_.end()) return;
-  const std::vector<WaiterId> ids(it->second.begin(), it->second.end());
-  for (WaiterId id : ids) {
-    Waiter& w = waiters_.at(id);
-    if (w.kind == WaitKind::WaitOrQueue) advance(id, w);
-  }
+  presence_changed(queue, true, Affects::Queue);
+}
+void KvState::queue_drained(const std::string& queue) {
+  presence_changed(queue, false, Affects::Queue);
 }
 
-// A multi-key waiter is linked under one missing key at a time; when that key appears it moves to
-// the next missing one, so each key of the request is examined O(1) times amortized.
-bool KvState::advance(WaiterId id, Waiter& w) {
-  unlink(id, w);
-  const std::size_t n = w.keys.size();
-  for (std::size_t step = 1; step <= n; ++step) {
-    const std::size_t i = (w.cursor + step) % n;  // the wrap re-checks keys deleted meanwhile
-    if (!present(w.keys[i], w.kind)) {
-      w.cursor = i;
-      link(id, w, Index::Key, w.keys[i]);
-      return false;
+// A key's creation or deletion changes presence for plain waits, and for WaitOrQueue unless a
+// queue of that name holds items; a queue filling or draining changes it for WaitOrQueue unless
+// the key exists. Each Keys waiter is listed once per occurrence of the name in its request.
+void KvState::presence_changed(const std::string& name, bool now_present, Affects affects) {
+  auto it = key_waiters_.find(name);
+  if (it == key_waiters_.end()) return;
+  const bool other_holds =
+      affects == Affects::Queue ? find(name) != nullptr : queue_len(name) > 0;  // WaitOrQueue
+  std::vector<WaiterId> done;
+  for (WaiterId id : it->second) {
+    Waiter& w = waiters_.at(id);
+    if (w.index != Index::Keys) continue;
+    const bool or_queue = w.kind == WaitKind::WaitOrQueue;
+    if (or_queue ? other_holds : affects == Affects::Queue) continue;
+    if (now_present) {
+      if (--w.missing == 0) done.push_back(id);
+    } else {
+      ++w.missing;
     }
   }
+  for (WaiterId id : done) finish(id, keys_ready(waiters_.at(id)));
+}
+
+Completion KvState::keys_ready(const Waiter& w) const {
   Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
-  if (w.kind == WaitKind::MultiGet)
-    for (const auto& k : w.keys) c.values.push_back(find(k)->value);
-  finish(id, std::move(c));
-  return true;
+  if (w.kind == WaitKind::MultiGet) c.values = w.keys;  // names; the codec reads the values
+  return c;
 }
 
 // ---- waiter bookkeeping ------------------------------------------------------------------------
@@ -91,8 +96,25 @@ uint64_t KvState::deadline_for(uint32_t timeout_ms) const {
   return timeout_ms == kNoTimeout ? kNoDeadline : clock_() + timeout_ms;
 }
 
+std::size_t KvState::charge_for(std::size_t nkeys, std::size_t key_bytes) noexcept {
+  return kWaiterOverheadBytes + nkeys * kWaiterKeyOverheadBytes + 2 * key_bytes;
+}
+
+bool KvState::refuse_park(ConnId conn, uint64_t tag, WaitKind kind, std::size_t charge) {
+  const std::size_t mine = sessions_[conn].waiting_bytes;
+  const bool own = mine + charge > kMaxWaitingBytesPerConnection;
+  if (!own && waiting_bytes_ + charge <= kMaxWaitingBytes) return false;
+  Completion c = make(conn, tag, kind, Status::TooLarge);
+  c.key = std::string("blocked requests would hold ") +
+          std::to_string((own ? mine : waiting_bytes_) + charge) + " bytes, over the limit of " +
+          std::to_string(own ? kMaxWaitingBytesPerConnection : kMaxWaitingBytes) +
+          (own ? " per connection" : " for all connections");
+  ready_.push_back(std::move(c));
+  return true;
+}
+
 WaiterId KvState::park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeout_ms,
-                       std::vector<std::string> keys) {
+                       std::vector<std::string> keys, std::size_t charge) {
   const WaiterId id = next_waiter_++;
   Waiter& w = waiters_[id];
   w.conn = conn;
@@ -100,7 +122,11 @@ WaiterId KvState::park(ConnId conn, uint64_t tag, WaitKind kind, uint32_t timeou
   w.kind = kind;
   w.deadline = deadline_for(timeout_ms);
   w.keys = std::move(keys);
-  sessions_[conn].waiters.insert(id);
+  w.charge = charge;
+  waiting_bytes_ += charge;
+  Session& s = sessions_[conn];
+  s.waiters.insert(id);
+  s.waiting_bytes += charge;
   if (w.deadline != kNoDeadline) deadlines_.emplace(w.deadline, id);
   return id;
 }
@@ -109,6 +135,14 @@ void KvState::link(WaiterId id, Waiter& w, Index index, const std::string& name)
   w.index = index;
   WaitList* list = nullptr;
   switch (index) {
+    case Index::Keys:
+      w.positions.reserve(w.keys.size());
+      for (const std::string& k : w.keys) {
+        WaitList& l = key_waiters_[k];
+        w.positions.push_back(l.insert(l.end(), id));
+      }
+      w.linked = true;
+      return;
     case Index::Key: list = &key_waiters_[name]; break;
     case Index::Pop: list = &pop_waiters_[name]; break;
     case Index::Barrier: list = &barriers_[name].arrived; break;
@@ -125,19 +159,26 @@ void KvState::link(WaiterId id, Waiter& w, Index index, const std::string& name)
 void KvState::unlink(WaiterId, Waiter& w) {
   if (!w.linked) return;
   w.linked = false;
-  const std::string& name = w.index == Index::Key ? w.keys[w.cursor] : w.keys[0];
-  auto erase_from = [&](auto& map) {
-    auto it = map.find(name);
-    it->second.erase(w.pos);
+  const std::string& name = w.keys[0];
+  auto erase_from = [&](auto& map, const std::string& n, WaitList::iterator pos) {
+    auto it = map.find(n);
+    it->second.erase(pos);
     if (it->second.empty()) map.erase(it);
   };
   switch (w.index) {
-    case Index::Key: erase_from(key_waiters_); break;
-    case Index::Pop: erase_from(pop_waiters_); break;
-    case Index::Barrier: barriers_.at(name).arrived.erase(w.pos); break;
-    case Index::WatchKey: erase_from(watch_keys_); break;
+    case Index::Keys:
+      for (std::size_t i = 0; i < w.keys.size(); ++i) erase_from(key_waiters_, w.keys[i], w.positions[i]);
+      w.positions.clear();
+      break;
+    case Index::Key: erase_from(key_waiters_, name, w.pos); break;
+    case Index::Pop: erase_from(pop_waiters_, name, w.pos); break;
+    case Index::Barrier:
+      barriers_.at(name).arrived.erase(w.pos);
+      barrier_idle(name);
+      break;
+    case Index::WatchKey: erase_from(watch_keys_, name, w.pos); break;
     case Index::WatchPrefix:
-      erase_from(watch_prefixes_);
+      erase_from(watch_prefixes_, name, w.pos);
       if (!watch_prefixes_.count(name)) {
         auto len = prefix_lengths_.find(name.size());
         if (--len->second == 0) prefix_lengths_.erase(len);
@@ -152,7 +193,11 @@ void KvState::drop(WaiterId id) {
   Waiter& w = it->second;
   unlink(id, w);
   if (w.deadline != kNoDeadline) deadlines_.erase({w.deadline, id});
-  if (auto s = sessions_.find(w.conn); s != sessions_.end()) s->second.waiters.erase(id);
+  if (auto s = sessions_.find(w.conn); s != sessions_.end()) {
+    s->second.waiters.erase(id);
+    s->second.waiting_bytes -= w.charge;
+  }
+  waiting_bytes_ -= w.charge;
   waiters_.erase(it);
 }
 
@@ -202,15 +247,15 @@ bool KvState::take_ready(std::vector<Completion>* out) {
 // ---- blocking operations -----------------------------------------------------------------------
 
 void KvState::get(ConnId conn, uint64_t tag, std::string_view key, uint32_t timeout_ms) {
-  if (const Entry* e = find(key)) {
+  if (find(key)) {
     Completion c = make(conn, tag, WaitKind::Get, Status::Ok);
-    c.values.push_back(e->value);
-    c.revision = e->mod_revision;
+    c.key.assign(key);  // the codec reads the value when it encodes the reply
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     ready_.push_back(make(conn, tag, WaitKind::Get, Status::Timeout));
-  } else {
-    const WaiterId id = park(conn, tag, WaitKind::Get, timeout_ms, {std::string(key)});
+  } else if (const std::size_t charge = charge_for(1, key.size());
+             !refuse_park(conn, tag, WaitKind::Get, charge)) {
+    const WaiterId id = park(conn, tag, WaitKind::Get, timeout_ms, {std::string(key)}, charge);
     Waiter& w = waiters_.at(id);
     link(id, w, Index::Key, w.keys[0]);
   }
@@ -218,13 +263,11 @@ void KvState::get(ConnId conn, uint64_t tag, std::string_view key, uint32_t time
 
 void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view>& keys,
                    uint32_t timeout_ms, WaitKind kind) {
-  std::size_t missing = keys.size();
-  for (std::size_t i = 0; i < keys.size(); ++i)
-    if (!present(keys[i], kind) && missing == keys.size()) missing = i;
-  if (missing == keys.size()) {
+  std::size_t missing = 0;
+  for (auto k : keys) missing += !present(k, kind);
+  if (missing == 0) {
     Completion c = make(conn, tag, kind, Status::Ok);
-    if (kind == WaitKind::MultiGet)
-      for (auto k : keys) c.values.push_back(find(k)->value);
+    if (kind == WaitKind::MultiGet) c.values.assign(keys.begin(), keys.end());  // names only
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     Completion c = make(conn, tag, kind, Status::Timeout);
@@ -232,11 +275,15 @@ void KvState::wait(ConnId conn, uint64_t tag, const std::vector<std::string_view
       if (!present(k, kind)) c.values.emplace_back(k);
     ready_.push_back(std::move(c));
   } else {
-    const WaiterId id =
-        park(conn, tag, kind, timeout_ms, std::vector<std::string>(keys.begin(), keys.end()));
+    std::size_t key_bytes = 0;
+    for (auto k : keys) key_bytes += k.size();
+    const std::size_t charge = charge_for(keys.size(), key_bytes);
+    if (refuse_park(conn, tag, kind, charge)) return;
+    const WaiterId id = park(conn, tag, kind, timeout_ms,
+                             std::vector<std::string>(keys.begin(), keys.end()), charge);
     Waiter& w = waiters_.at(id);
-    w.cursor = missing;
-    link(id, w, Index::Key, w.keys[missing]);
+    w.missing = missing;
+    link(id, w, Index::Keys, w.keys[0]);
   }
 }
 
@@ -248,48 +295,77 @@ void KvState::queue_pop(ConnId conn, uint64_t tag, std::string_view queue, uint3
     ready_.push_back(std::move(c));
   } else if (timeout_ms == 0) {
     ready_.push_back(make(conn, tag, WaitKind::QueuePop, Status::Timeout));
-  } else {
-    const WaiterId id = park(conn, tag, WaitKind::QueuePop, timeout_ms, {std::string(queue)});
+  } else if (const std::size_t charge = charge_for(1, queue.size());
+             !refuse_park(conn, tag, WaitKind::QueuePop, charge)) {
+    const WaiterId id =
+        park(conn, tag, WaitKind::QueuePop, timeout_ms, {std::string(queue)}, charge);
     Waiter& w = waiters_.at(id);
     link(id, w, Index::Pop, w.keys[0]);
   }
 }
 
+// An entry in barriers_ exists only while someone waits; when the last waiter leaves (released,
+// timed out or disconnected) it is erased, and a name released at least once keeps its next
+// generation, so that reusing it (or arriving late, after a release) counts on from there.
+void KvState::barrier_idle(const std::string& name) {
+  auto it = barriers_.find(name);
+  if (it == barriers_.end() || !it->second.arrived.empty()) return;
+  if (it->second.generation > 0) barrier_generations_[name] = it->second.generation;
+  barriers_.erase(it);
+}
+
 void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t world_size,
                       uint32_t timeout_ms) {
-  auto fail = [&](std::string msg) {
-    Completion c = make(conn, tag, WaitKind::Barrier, Status::Error);
+  auto reply = [&](Status s, uint64_t generation, uint32_t arrived, std::string msg) {
+    Completion c = make(conn, tag, WaitKind::Barrier, s);
+    c.revision = generation;
+    c.arrived = arrived;
+    c.world_size = world_size;
     c.key = std::move(msg);
     ready_.push_back(std::move(c));
   };
-  if (world_size == 0) return fail("barrier world_size must be at least 1");
-  Barrier& b = barriers_[std::string(key)];
-  if (!b.arrived.empty() && b.world_size != world_size)
-    return fail("barrier world_size mismatch: " + std::to_string(world_size) + " given, " +
-                std::to_string(b.world_size) + " in progress");
-  b.world_size = world_size;
-  if (b.arrived.size() + 1 >= world_size) {
-    const uint64_t generation = b.generation++;
-    const std::vector<WaiterId> ids(b.arrived.begin(), b.arrived.end());
-    for (WaiterId id : ids) {
-      const Waiter& w = waiters_.at(id);
-      Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
-      c.revision = generation;
-      finish(id, std::move(c));
+  if (world_size == 0) return reply(Status::Error, 0, 0, "barrier world_size must be at least 1");
+  const std::string name(key);
+  const std::size_t charge = charge_for(1, key.size());
+  auto it = barriers_.find(name);
+  if (it == barriers_.end()) {  // nobody waits: a new generation starts with this arrival
+    auto g = barrier_generations_.find(name);
+    const uint64_t generation = g == barrier_generations_.end() ? 0 : g->second;
+    if (world_size == 1) {
+      if (g == barrier_generations_.end()) barrier_generations_.emplace(name, 1);
+      else ++g->second;
+      return reply(Status::Ok, generation, 0, {});
     }
-    Completion c = make(conn, tag, WaitKind::Barrier, Status::Ok);
-    c.revision = generation;
-    ready_.push_back(std::move(c));
-  } else if (timeout_ms == 0) {
-    Completion c = make(conn, tag, WaitKind::Barrier, Status::Timeout);
-    c.arrived = static_cast<uint32_t>(b.arrived.size() + 1);
-    c.world_size = world_size;
-    ready_.push_back(std::move(c));
+    if (timeout_ms == 0) return reply(Status::Timeout, 0, 1, {});
+    if (refuse_park(conn, tag, WaitKind::Barrier, charge)) return;
+    if (g != barrier_generations_.end()) barrier_generations_.erase(g);
+    Barrier& b = barriers_[name];
+    b.generation = generation;
+    b.world_size = world_size;
   } else {
-    const WaiterId id = park(conn, tag, WaitKind::Barrier, timeout_ms, {std::string(key)});
-    Waiter& w = waiters_.at(id);
-    link(id, w, Index::Barrier, w.keys[0]);
+    Barrier& b = it->second;
+    if (b.world_size != world_size)
+      return reply(Status::Error, 0, 0,
+                   "barrier world_size mismatch: " + std::to_string(world_size) + " given, " +
+                       std::to_string(b.world_size) + " in progress");
+    if (b.arrived.size() + 1 >= world_size) {
+      const uint64_t generation = b.generation++;
+      const std::vector<WaiterId> ids(b.arrived.begin(), b.arrived.end());
+      for (WaiterId id : ids) {  // the last one out erases the entry (barrier_idle)
+        const Waiter& w = waiters_.at(id);
+        Completion c = make(w.conn, w.tag, w.kind, Status::Ok);
+        c.revision = generation;
+        finish(id, std::move(c));
+      }
+      return reply(Status::Ok, generation, 0, {});
+    }
+    if (timeout_ms == 0)
+      return reply(Status::Timeout, 0, static_cast<uint32_t>(b.arrived.size() + 1), {});
+    if (refuse_park(conn, tag, WaitKind::Barrier, charge)) return;
   }
+  const WaiterId id = park(conn, tag, WaitKind::Barrier, timeout_ms, {name}, charge);
+  Waiter& w = waiters_.at(id);
+  link(id, w, Index::Barrier, w.keys[0]);
 }
 
 const HistoryEvent* KvState::first_match(const std::string& key, bool prefix,
@@ -315,13 +391,16 @@ void KvState::watch(ConnId conn, uint64_t tag, std::string_view key, bool is_pre
   } else if (const HistoryEvent* ev = first_match(std::string(key), is_prefix, after)) {
     c.event = ev->kind;
     c.key = ev->key;
-    c.values.push_back(ev->value);
+    c.value = ev->value;
     c.revision = ev->revision;
   } else if (timeout_ms == 0) {
     c.status = Status::Timeout;
     c.revision = revision_;
+  } else if (const std::size_t charge = charge_for(1, key.size());
+             refuse_park(conn, tag, WaitKind::Watch, charge)) {
+    return;
   } else {
-    const WaiterId id = park(conn, tag, WaitKind::Watch, timeout_ms, {std::string(key)});
+    const WaiterId id = park(conn, tag, WaitKind::Watch, timeout_ms, {std::string(key)}, charge);
     Waiter& w = waiters_.at(id);
     w.after = after;
     link(id, w, is_prefix ? Index::WatchPrefix : Index::WatchKey, w.keys[0]);

@@ -27,8 +27,22 @@ inline constexpr std::size_t kMinFrameBody = 1 + 4;
 inline constexpr std::size_t kMaxFrameBytes = kMaxValueBytes + 2 * kMaxKeyBytes + 64;
 // A reply larger than this (e.g. a MULTI_GET of many large values) is refused with TOO_LARGE.
 inline constexpr std::size_t kMaxReplyBytes = 64 * 1024 * 1024;
-// Unsent reply bytes a connection may accumulate before it is closed as a slow reader.
-inline constexpr std::size_t kMaxWriteBufferBytes = 128 * 1024 * 1024;
+// Backpressure (Redis's client output buffer limits): while a connection's unsent replies exceed
+// kOutputPauseBytes the server reads no more of its requests (the peer's sends then block in TCP)
+// and resumes once they drain below it. Replies already owed (one request's, or wake-ups of its
+// blocked requests) may take it up to kMaxWriteBufferBytes, one maximal reply past the pause
+// bound; a reply that would go further closes the connection as a peer that does not read.
+inline constexpr std::size_t kOutputPauseBytes = 1024 * 1024;
+inline constexpr std::size_t kMaxWriteBufferBytes = kOutputPauseBytes + kFrameHeaderBytes + kMaxReplyBytes;
+// Bytes buffered across all connections (unfinished requests plus unsent replies). A connection
+// whose input or reply would take the total past it is closed with a logged reason.
+inline constexpr std::size_t kMaxBufferedBytes = std::size_t{1024} * 1024 * 1024;
+// Memory held by blocked requests (their keys and index entries), per connection and in total: a
+// blocking request that would go past either is refused with TOO_LARGE (torch's protocol, which has
+// no error reply: the connection closes). A connection may pipeline blocking requests, so without
+// this bound one peer could park any number of 8 MiB WAITs.
+inline constexpr std::size_t kMaxWaitingBytesPerConnection = 64 * 1024 * 1024;
+inline constexpr std::size_t kMaxWaitingBytes = std::size_t{1024} * 1024 * 1024;
 // Time a client has to finish sending a frame it started.
 inline constexpr uint32_t kFrameTimeoutMs = 30'000;
 inline constexpr std::size_t kMaxClientNameBytes = 256;

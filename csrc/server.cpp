@@ -36,7 +36,7 @@ constexpr const char* kStatNames[] = {
     "connections",      "keys",           "waiters",
     "revision",         "queues",         "history_events",
     "bytes_buffered",   "connections_accepted", "connections_refused",
-    "connections_closed_bad_input", "requests",
+    "connections_closed_bad_input", "requests", "barriers",
 };
 constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
@@ -110,16 +110,26 @@ class Server::Impl final : public ConnectionHost {
     for (std::size_t i = 0; i < kNumStats; ++i) out.emplace_back(kStatNames[i], v[i]);
     return out;
   }
+  // Completions name the keys whose values they return; the codec reads them while encoding. So
+  // that none of them is deleted in between, a session closed during the drain (a reply that did
+  // not fit) is ended only after the batch is encoded; its deletions wake the next batch.
   void drain_ready() override {
     if (draining_) return;  // the outer drain picks up what a nested close queued
     draining_ = true;
-    while (kv_.take_ready(&batch_)) {
+    for (;;) {
+      if (!kv_.take_ready(&batch_)) {
+        if (ending_.empty()) break;
+        std::vector<ConnId> ending;
+        ending.swap(ending_);
+        for (ConnId id : ending) kv_.close_session(id);
+        continue;
+      }
       for (const Completion& c : batch_) {
         auto it = conns_.find(c.conn);
         if (it == conns_.end()) continue;
         Connection* conn = it->second.get();
         if (conn->state() == ConnState::Closing) continue;
-        if (!conn->deliver(c)) {
+        if (!conn->deliver(c, kv_, buffer_room(), cfg_.max_buffered_bytes)) {
           mark_closing(conn);
           continue;
         }
@@ -134,6 +144,9 @@ class Server::Impl final : public ConnectionHost {
   }
 
   void count_request() noexcept override { ++requests_; }
+  std::size_t buffer_room() const noexcept {
+    return bytes_buffered_ < cfg_.max_buffered_bytes ? cfg_.max_buffered_bytes - bytes_buffered_ : 0;
+  }
 
   const std::string& host() const noexcept { return host_; }
   uint16_t port() const noexcept { return port_; }
@@ -154,7 +167,7 @@ class Server::Impl final : public ConnectionHost {
   std::array<uint64_t, kNumStats> collect() const {
     return {conns_.size() - closing_.size(), kv_.num_keys(),   kv_.waiter_count(), kv_.revision(),
             kv_.queue_count(),    kv_.history_size(), bytes_buffered_, accepted_,
-            refused_,             closed_bad_input_, requests_};
+            refused_,             closed_bad_input_, requests_, kv_.barrier_count()};
   }
   void publish() noexcept {
     const auto v = collect();
@@ -202,6 +215,7 @@ class Server::Impl final : public ConnectionHost {
         log(LogLevel::Error, "cannot watch connection %s", conn->peer().c_str());
         continue;  // the Connection closes fd
       }
+      conn->events = kReadable;
       if (by_fd_.size() <= static_cast<std::size_t>(fd)) by_fd_.resize(static_cast<std::size_t>(fd) + 1);
       by_fd_[static_cast<std::size_t>(fd)] = conn.get();
       kv_.open_session(id);
@@ -237,12 +251,16 @@ class Server::Impl final : public ConnectionHost {
   }
 
   void on_conn(Connection* c, uint32_t mask) {
-    if ((mask & kWritable) && c->epollout) flush(c);
+    if ((mask & kWritable) && (c->events & kWritable)) flush(c);
     if ((mask & kReadable) && c->state() != ConnState::Closing) {
       try {
         c->on_readable(*this, scratch_.data(), scratch_.size());
       } catch (const std::bad_alloc&) {
         c->fail("out of memory while handling its request", false);
+      }
+      if (c->state() != ConnState::Closing) {
+        account(c);
+        if (bytes_buffered_ > cfg_.max_buffered_bytes) over_budget(c);
       }
       if (c->state() != ConnState::Closing) {
         arm_frame_timer(c);
@@ -275,13 +293,28 @@ class Server::Impl final : public ConnectionHost {
     mark_closing(c);
   }
 
+  void over_budget(Connection* c) {
+    c->fail("dropped to keep the server's buffers within their budget of " +
+                std::to_string(cfg_.max_buffered_bytes) + " bytes across connections (" +
+                std::to_string(c->buffered_bytes()) + " of " + std::to_string(bytes_buffered_) +
+                " are this connection's)",
+            false);
+  }
+
+  // Sends what the kernel takes; when that ends a pause, handles the requests it held back (which
+  // may pause it again). Reading is masked while paused, writing is watched while output is left.
   void flush(Connection* c) {
-    if (c->state() == ConnState::Closing) return;
-    if (!c->flush()) return mark_closing(c);
-    const bool want = c->wants_write();
-    if (want != c->epollout) {
-      loop_->modify(c->fd(), kReadable | (want ? kWritable : 0u));
-      c->epollout = want;
+    for (;;) {
+      if (c->state() == ConnState::Closing) return;
+      if (!c->flush()) return mark_closing(c);
+      if (c->paused() || !c->input_held()) break;
+      if (!c->resume(*this)) return mark_closing(c);
+      arm_frame_timer(c);
+    }
+    const uint32_t want = (c->paused() ? 0u : kReadable) | (c->wants_write() ? kWritable : 0u);
+    if (want != c->events) {
+      loop_->modify(c->fd(), want);
+      c->events = want;
     }
     account(c);
   }
@@ -299,8 +332,12 @@ class Server::Impl final : public ConnectionHost {
     if (c->frame_timer) loop_->cancel_timer(c->frame_timer);
     c->frame_timer = 0;
     account(c);
-    kv_.close_session(c->id());
     closing_.push_back(c);
+    if (draining_) {  // see drain_ready(): ended once the batch being encoded is done
+      ending_.push_back(c->id());
+      return;
+    }
+    kv_.close_session(c->id());
     drain_ready();
   }
 
@@ -355,6 +392,7 @@ class Server::Impl final : public ConnectionHost {
   std::vector<Connection*> dirty_;    // replies appended, not yet flushed
   std::vector<Connection*> closing_;  // closed sessions awaiting reaping
   std::vector<Completion> batch_;
+  std::vector<ConnId> ending_;        // sessions to end once the current drain batch is encoded
   std::vector<char> scratch_;
   bool draining_ = false;
   ConnId next_id_ = 1;

@@ -21,6 +21,9 @@ struct ServerConfig {
   LogLevel log_level = LogLevel::Warning;
   // Time a client has to finish a request it started; lowered only by tests.
   uint32_t frame_timeout_ms = kFrameTimeoutMs;
+  // Budget of bytes buffered across connections (unfinished requests plus unsent replies); a
+  // connection that would take the total past it is closed. Lowered only by tests.
+  std::size_t max_buffered_bytes = kMaxBufferedBytes;
 };
 
 class Server {

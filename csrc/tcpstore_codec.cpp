@@ -45,12 +45,18 @@ class TcpStoreCodec final : public Codec {
 
   Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
             std::string* reason) override {
-    switch (ts::parse_request(data, size, &req_, reason)) {
+    switch (scanner_.scan(data, size, reason)) {  // resumes where the last call stopped
       case ts::Parse::NeedMore: return Step::NeedMore;
       case ts::Parse::Malformed:
       case ts::Parse::TooLarge:
       case ts::Parse::UnknownOp: return Step::Close;
       case ts::Parse::Ready: break;
+    }
+    const std::size_t length = scanner_.length();
+    scanner_.reset();
+    if (ts::parse_request(data, length, &req_, reason) != ts::Parse::Ready) {  // all there: once
+      if (reason->empty()) *reason = "request shorter than its scan";
+      return Step::Close;
     }
     if (!validated_ && req_.op != ts::Op::Validate) {
       *reason = std::string("torch client sent ") + ts::op_name(static_cast<uint8_t>(req_.op)) +
@@ -62,10 +68,15 @@ class TcpStoreCodec final : public Codec {
     return Step::Handled;
   }
 
-  bool complete(const Completion& c, std::string& out, std::string* reason) override {
+  bool complete(const Completion& c, const KvState&, std::string& out, std::size_t room,
+                std::string* reason) override {
     if (c.status != Status::Ok) {
       *reason = "torch client: " + std::string(status_name(static_cast<uint8_t>(c.status))) +
                 (c.key.empty() ? std::string() : ": " + c.key);
+      return false;
+    }
+    if (room < 1) {
+      *reason = "not reading its replies: unsent output at its limit";
       return false;
     }
     ts::put_u8(out, kStopWaiting);  // WAIT (WaitOrQueue) and BARRIER are the only deferred ops
@@ -155,7 +166,7 @@ class TcpStoreCodec final : public Codec {
       case ts::Op::QueueLen:
         ts::put_i64(out, kv.queue_len(key));
         return true;
-      case ts::Op::ListKeys: return list_keys(kv, out);
+      case ts::Op::ListKeys: return list_keys(kv, out, reason);
       case ts::Op::Barrier:
         if (req_.number < 1 || req_.number > UINT32_MAX)
           return fail(reason, "BARRIER with world size " + std::to_string(req_.number));
@@ -181,15 +192,22 @@ class TcpStoreCodec final : public Codec {
     return true;
   }
 
-  bool list_keys(KvState& kv, std::string& out) {
-    std::vector<std::string> keys = kv.list_keys("");
-    std::size_t shown = 0;
-    for (const auto& k : keys) shown += k != ts::kInitKey;
+  // The reply is totalled first; over kMaxReplyBytes the connection closes (no error reply).
+  bool list_keys(KvState& kv, std::string& out, std::string* reason) {
+    const std::vector<const std::string*> keys = kv.list_keys("");
+    std::size_t shown = 0, bytes = 8;
+    for (const std::string* k : keys) {
+      if (*k == ts::kInitKey) continue;
+      ++shown;
+      bytes += 8 + ts::kClientKeyPrefix.size() + k->size();
+    }
+    if (bytes > kMaxReplyBytes)
+      return fail(reason, "LIST_KEYS reply of " + std::to_string(bytes) + " bytes over the limit");
     ts::put_i64(out, static_cast<int64_t>(shown));
     std::string prefixed;
-    for (const auto& k : keys) {
-      if (k == ts::kInitKey) continue;
-      prefixed.assign(ts::kClientKeyPrefix).append(k);
+    for (const std::string* k : keys) {
+      if (*k == ts::kInitKey) continue;
+      prefixed.assign(ts::kClientKeyPrefix).append(*k);
       ts::put_bytes(out, prefixed);
     }
     return true;
@@ -200,6 +218,7 @@ class TcpStoreCodec final : public Codec {
     return false;
   }
 
+  ts::Scanner scanner_;
   ts::Request req_;
   uint64_t tag_ = 0;
   bool validated_ = false;

@@ -1,6 +1,7 @@
 #include "tcpstore_protocol.hpp"
 
 #include <cstring>
+#include <initializer_list>
 
 namespace elasticstore::tcpstore {
 
@@ -152,6 +153,94 @@ Parse parse_request(const char* data, std::size_t size, Request* out, std::strin
     return c.result();
   }
   out->consumed = 1 + c.offset(data + 1);
+  return Parse::Ready;
+}
+
+// The field after `fields_` scanned ones, from the opcode's layout (parse_request's, below).
+Scanner::Field Scanner::next_field() const noexcept {
+  auto fixed = [this](std::initializer_list<Field> layout) {
+    return fields_ < layout.size() ? layout.begin()[fields_] : Field::None;
+  };
+  auto repeated = [this](uint64_t per_item, Field last) {  // u64 n, then n x (key[, value])
+    if (fields_ == 0) return Field::Count;
+    if (fields_ - 1 >= count_ * per_item) return Field::None;
+    return (fields_ - 1) % per_item == per_item - 1 ? last : Field::Key;
+  };
+  switch (static_cast<Op>(op_)) {
+    case Op::Validate:
+    case Op::Ping: return fixed({Field::U32});
+    case Op::Set:
+    case Op::Append:
+    case Op::QueuePush: return fixed({Field::Key, Field::Value});
+    case Op::CompareSet: return fixed({Field::Key, Field::Value, Field::Value});
+    case Op::Get:
+    case Op::DeleteKey:
+    case Op::QueuePop:
+    case Op::QueueLen: return fixed({Field::Key});
+    case Op::Add:
+    case Op::Barrier: return fixed({Field::Key, Field::I64});
+    case Op::Check:
+    case Op::Wait:
+    case Op::MultiGet: return repeated(1, Field::Key);
+    case Op::MultiSet: return repeated(2, Field::Value);
+    case Op::GetNumKeys:
+    case Op::CancelWait:
+    case Op::ListKeys: return Field::None;
+  }
+  return Field::None;
+}
+
+Parse Scanner::scan(const char* data, std::size_t size, std::string* reason) {
+  auto too_large = [&](std::string why) {
+    *reason = std::string(op_name(op_)) + ": " + why;
+    return Parse::TooLarge;
+  };
+  if (pos_ == 0) {
+    if (size == 0) return Parse::NeedMore;
+    op_ = static_cast<uint8_t>(data[0]);
+    if (op_ > kMaxOp) {
+      *reason = "unknown opcode " + std::to_string(op_);
+      return Parse::UnknownOp;
+    }
+    pos_ = 1;
+  }
+  for (Field f = next_field(); f != Field::None; f = next_field()) {
+    const std::size_t have = size - pos_;
+    if (f == Field::U32 || f == Field::I64) {
+      const std::size_t n = f == Field::U32 ? 4 : 8;
+      if (have < n) return Parse::NeedMore;
+      pos_ += n;
+      ++fields_;
+      continue;
+    }
+    if (have < 8) return Parse::NeedMore;
+    uint64_t n = 0;
+    std::memcpy(&n, data + pos_, 8);
+    if (f == Field::Count) {
+      if (n > kMaxKeysPerRequest)
+        return too_large("request names " + std::to_string(n) + " keys, over the limit of " +
+                         std::to_string(kMaxKeysPerRequest));
+      const uint64_t per_item = static_cast<Op>(op_) == Op::MultiSet ? 2 : 1;
+      if (pos_ + 8 + n * per_item * 8 > kMaxRequestBytes)  // each key or value needs its length
+        return too_large("request of at least " + std::to_string(pos_ + 8 + n * per_item * 8) +
+                         " bytes, over the limit of " + std::to_string(kMaxRequestBytes));
+      count_ = n;
+      pos_ += 8;
+      ++fields_;
+      continue;
+    }
+    const bool key = f == Field::Key;
+    const std::size_t max_len = key ? kMaxKeyBytes : kMaxValueBytes;
+    if (n > max_len)
+      return too_large(std::string(key ? "key" : "value") + " of " + std::to_string(n) +
+                       " bytes exceeds the limit of " + std::to_string(max_len));
+    if (pos_ + 8 + n > kMaxRequestBytes)
+      return too_large("request of at least " + std::to_string(pos_ + 8 + n) +
+                       " bytes, over the limit of " + std::to_string(kMaxRequestBytes));
+    if (have - 8 < n) return Parse::NeedMore;  // the length is read again when more bytes come
+    pos_ += 8 + static_cast<std::size_t>(n);
+    ++fields_;
+  }
   return Parse::Ready;
 }
 

@@ -1,7 +1,9 @@
 // torch's TCPStore wire protocol (torch 2.13): request parsing and reply encoding. No sockets.
-// Facts: docs/tcpstore-compat.md. Requests carry no length header, so a request is parsed
-// transactionally from the front of the buffer: nothing is consumed until all of it is there, and
-// every declared length is checked against its limit before waiting for (or allocating) the bytes.
+// Facts: docs/tcpstore-compat.md. Requests carry no length header, so a Scanner first walks a
+// request's length fields as its bytes arrive, resuming where it stopped (O(bytes) however the
+// request is split), and checks every declared length against its limit and the request's
+// running total against kMaxRequestBytes before waiting for (or buffering) the bytes. Once the
+// scanner knows the whole request is there, parse_request() decodes it once.
 #pragma once
 
 #include <cstddef>
@@ -18,6 +20,9 @@ inline constexpr uint32_t kValidationMagic = 0x3C85F7CEu;
 // Prefix torch's client adds to every key, and the counter its clients bump on connect.
 inline constexpr std::string_view kClientKeyPrefix = "/";
 inline constexpr std::string_view kInitKey = "init/";
+// The most bytes one request may declare (opcode, lengths and data), as the native kMaxFrameBytes:
+// one maximal value with its key; multi-requests share it.
+inline constexpr std::size_t kMaxRequestBytes = kMaxFrameBytes;
 
 enum class Op : uint8_t {
   Validate = 0,
@@ -61,6 +66,25 @@ enum class Parse { NeedMore, Ready, Malformed, TooLarge, UnknownOp };
 // Parses the request at the front of [data, data + size). On Malformed/TooLarge/UnknownOp,
 // `reason` says why (for the log line that precedes closing the connection).
 Parse parse_request(const char* data, std::size_t size, Request* out, std::string* reason);
+
+// Finds where the request at the front of a buffer ends. Each call is given the same request's
+// bytes from its start (more of them each time) and continues from the field it stopped at; a
+// field's length is re-read only while the field itself is incomplete. After Ready, length() is
+// the request's size and the next request needs reset().
+class Scanner {
+ public:
+  Parse scan(const char* data, std::size_t size, std::string* reason);
+  std::size_t length() const noexcept { return pos_; }
+  void reset() noexcept { *this = Scanner(); }
+
+ private:
+  enum class Field : uint8_t { None, U32, I64, Key, Value, Count };
+  Field next_field() const noexcept;
+  uint8_t op_ = 0;
+  std::size_t pos_ = 0;     // bytes of the request scanned (0: not even the opcode)
+  uint64_t fields_ = 0;     // fields scanned after the opcode
+  uint64_t count_ = 0;      // CHECK/WAIT/MULTI_*: the declared number of keys (pairs)
+};
 
 // Reply encoders (appending to a connection's output).
 void put_u8(std::string& out, uint8_t v);

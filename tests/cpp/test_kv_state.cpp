@@ -22,6 +22,8 @@ struct Fixture {
     kv.take_ready(&done);
     return done;
   }
+  // A GET completion names its key; the codec reads the value when it encodes the reply.
+  std::string value_of(const Completion& c) const { return kv.find(c.key)->value; }
 };
 using SV = std::vector<std::string_view>;
 }  // namespace
@@ -43,8 +45,9 @@ TEST(set_get_and_revisions) {
   CHECK_EQ(r.size(), std::size_t{1});
   CHECK(r[0].status == Status::Ok);
   CHECK_EQ(r[0].tag, 9ull);
-  CHECK_EQ(r[0].values.at(0), std::string("2"));
-  CHECK_EQ(r[0].revision, 2ull);
+  CHECK_EQ(r[0].key, std::string("b"));
+  CHECK_EQ(f.value_of(r[0]), std::string("2"));
+  CHECK(r[0].values.empty());  // no copy of the value
   f.kv.get(1, 10, "nope", 0);
   CHECK(f.ready().at(0).status == Status::Timeout);
 }
@@ -115,8 +118,8 @@ TEST(waiters_woken_by_set_add_cas_append) {
   auto& r = f.ready();
   CHECK_EQ(r.size(), std::size_t{4});
   for (std::size_t i = 0; i < r.size(); ++i) CHECK_EQ(r[i].tag, uint64_t{i + 1});
-  CHECK_EQ(r[1].values.at(0), std::string("2"));
-  CHECK_EQ(r[2].values.at(0), std::string("C"));
+  CHECK_EQ(f.value_of(r[1]), std::string("2"));
+  CHECK_EQ(f.value_of(r[2]), std::string("C"));
   CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
 }
 
@@ -130,8 +133,8 @@ TEST(multi_key_wait_only_when_all_exist) {
   auto& r = f.ready();
   CHECK_EQ(r.size(), std::size_t{1});
   CHECK_EQ(r.at(0).tag, 8ull);
-  CHECK_EQ(r.at(0).values.size(), std::size_t{2});
-  CHECK_EQ(r.at(0).values.at(0), std::string("X"));
+  CHECK_EQ(r.at(0).values.size(), std::size_t{2});  // the keys: values are read when encoded
+  CHECK_EQ(r.at(0).values.at(0), std::string("x"));
   f.kv.erase("x");  // deleted meanwhile: must not count as present
   f.kv.set(1, "z", "Z", false);
   CHECK(f.ready().empty());
@@ -294,8 +297,8 @@ TEST(list_keys_sorted_by_prefix) {
   for (const char* k : {"b/2", "a/1", "b/1", "c", "b"}) f.kv.set(1, k, "v", false);
   const auto keys = f.kv.list_keys("b/");
   CHECK_EQ(keys.size(), std::size_t{2});
-  CHECK_EQ(keys.at(0), std::string("b/1"));
-  CHECK_EQ(keys.at(1), std::string("b/2"));
+  CHECK_EQ(*keys.at(0), std::string("b/1"));
+  CHECK_EQ(*keys.at(1), std::string("b/2"));
   CHECK_EQ(f.kv.list_keys("").size(), std::size_t{5});
 }
 
@@ -312,4 +315,106 @@ TEST(cancel_waiters_drops_silently) {
   f.kv.queue_push("q", "v");
   CHECK(f.ready().empty());
   CHECK_EQ(f.kv.queue_len("q"), int64_t{1});
+}
+
+TEST(multi_key_wait_counts_missing_keys_through_deletes) {
+  Fixture f;
+  f.kv.set(1, "a", "1", false);
+  f.kv.wait(2, 1, SV{"a", "b", "c", "b"}, kNoTimeout);  // "b" twice: counted twice
+  f.kv.erase("a");
+  f.kv.set(1, "b", "1", false);
+  f.kv.set(1, "c", "1", false);
+  CHECK(f.ready().empty());  // "a" went missing meanwhile
+  f.kv.erase("c");
+  f.kv.set(1, "a", "2", false);
+  CHECK(f.ready().empty());
+  f.kv.set(1, "c", "2", false);
+  CHECK_EQ(f.ready().size(), std::size_t{1});
+  CHECK_EQ(f.kv.waiter_count(), std::size_t{0});
+  f.kv.erase("a");  // no waiter left on any of the keys
+  CHECK(f.ready().empty());
+}
+
+TEST(wait_or_queue_counts_keys_and_queues) {
+  Fixture f;
+  f.kv.wait(2, 1, SV{"k", "q"}, kNoTimeout, WaitKind::WaitOrQueue);
+  f.kv.queue_push("q", "item");  // "q" present as a queue
+  std::string item;
+  CHECK(f.kv.queue_try_pop("q", &item));  // and absent again
+  f.kv.set(1, "k", "1", false);
+  CHECK(f.ready().empty());
+  f.kv.set(1, "q", "1", false);  // present as a key; a queue filling then changes nothing
+  f.kv.queue_push("q", "x");
+  CHECK_EQ(f.ready().size(), std::size_t{1});
+  f.kv.wait(2, 2, SV{"q"}, kNoTimeout);  // a plain wait ignores queues
+  CHECK_EQ(f.ready().size(), std::size_t{1});
+}
+
+TEST(watchers_share_the_event_value) {
+  Fixture f;
+  f.kv.watch(1, 1, "w", false, kWatchFromNow, kNoTimeout);
+  f.kv.watch(2, 2, "w", true, kWatchFromNow, kNoTimeout);
+  f.kv.set(1, "w", std::string(1000, 'x'), false);
+  auto& r = f.ready();
+  CHECK_EQ(r.size(), std::size_t{2});
+  CHECK(r.at(0).value != nullptr);
+  CHECK(r.at(0).value == r.at(1).value);  // one copy for every watcher
+  CHECK_EQ(r.at(0).value->size(), std::size_t{1000});
+}
+
+TEST(barrier_entries_are_erased_when_idle) {
+  Fixture f;
+  f.kv.barrier(1, 1, "t", 2, 50);  // times out alone at generation 0: nothing is kept
+  CHECK_EQ(f.kv.barrier_count(), std::size_t{1});
+  f.kv.expire(g_now + 50);
+  CHECK(f.ready().at(0).status == Status::Timeout);
+  CHECK_EQ(f.kv.barrier_count(), std::size_t{0});
+  f.kv.barrier(1, 2, "t", 2, 0);  // non-blocking and not released: nothing is kept either
+  CHECK(f.ready().at(0).status == Status::Timeout);
+  CHECK_EQ(f.kv.barrier_count(), std::size_t{0});
+  for (uint64_t g = 0; g < 3; ++g) {  // a reused name counts on
+    f.kv.barrier(1, 3, "r", 2, kNoTimeout);
+    f.kv.barrier(2, 4, "r", 2, kNoTimeout);
+    auto& r = f.ready();
+    CHECK_EQ(r.size(), std::size_t{2});
+    CHECK_EQ(r.at(0).revision, g);
+    CHECK_EQ(r.at(1).revision, g);
+    CHECK_EQ(f.kv.barrier_count(), std::size_t{1});  // only its generation is kept
+  }
+  // A late arrival after a release starts the next generation, not the released one, even when
+  // everyone of that next generation withdraws first.
+  f.kv.barrier(1, 5, "r", 2, 50);
+  f.kv.expire(g_now + 50);
+  CHECK(f.ready().at(0).status == Status::Timeout);
+  f.kv.barrier(1, 6, "r", 1, kNoTimeout);
+  CHECK_EQ(f.ready().at(0).revision, 3ull);
+  f.kv.barrier(1, 7, "one-shot", 1, kNoTimeout);
+  CHECK_EQ(f.ready().at(0).revision, 0ull);
+  CHECK_EQ(f.kv.barrier_count(), std::size_t{2});
+}
+
+TEST(blocked_requests_are_bounded_per_connection) {
+  Fixture f;
+  std::vector<std::string> names;
+  for (int i = 0; i < 10000; ++i) names.push_back("key-" + std::to_string(i));
+  const SV keys(names.begin(), names.end());
+  std::size_t parked = 0;
+  for (uint64_t tag = 1; tag <= 100; ++tag) {
+    f.kv.wait(1, tag, keys, kNoTimeout);
+    if (!f.ready().empty()) {
+      CHECK(f.done.at(0).status == Status::TooLarge);
+      CHECK(f.done.at(0).key.find("per connection") != std::string::npos);
+      break;
+    }
+    ++parked;
+  }
+  CHECK(parked > 10 && parked < 100);
+  CHECK(f.kv.waiting_bytes() <= kMaxWaitingBytesPerConnection);
+  f.kv.get(2, 1, "other", kNoTimeout);  // another connection still may block
+  CHECK(f.ready().empty());
+  f.kv.cancel_waiters(1);  // what a connection's requests held is given back
+  f.kv.cancel_waiters(2);
+  CHECK_EQ(f.kv.waiting_bytes(), std::size_t{0});
+  f.kv.wait(1, 200, keys, kNoTimeout);
+  CHECK(f.ready().empty());
 }

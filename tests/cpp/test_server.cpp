@@ -535,6 +535,56 @@ TEST(unfinished_frame_times_out) {
   CHECK(ping_ok(*healthy, 9));
 }
 
+TEST(buffer_budget_drops_the_connection_that_would_exceed_it) {
+  ServerConfig cfg = quiet_config();
+  cfg.max_buffered_bytes = 3 * 1024 * 1024;
+  Server srv(cfg);
+  srv.start();
+  auto writer = greeted(srv.port());
+  auto sleeper = greeted(srv.port());
+  std::string gets;
+  constexpr uint32_t kGets = 24;
+  for (uint32_t i = 0; i < kGets; ++i) gets += get_frame(10 + i, "w", kNoTimeout);
+  CHECK(sleeper->send(gets));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kWaitMs);
+  while (stat(srv, "waiters") < kGets && Clock::now() < deadline) ::usleep(1000);
+  CHECK_EQ(stat(srv, "waiters"), uint64_t{kGets});
+  // One set wakes 24 MiB of replies for a connection that does not read: more than the kernel's
+  // socket buffers take and over the 3 MiB budget. That connection is dropped before the reply
+  // that would exceed the budget is built; the writer is served.
+  CHECK(writer->send(set_frame(2, "w", std::string(1024 * 1024, 'x'))));
+  Reply r = writer->recv();
+  CHECK(r.ok && r.status == 0 && r.id == 2);
+  CHECK(sleeper->closed_by_peer());
+  CHECK(ping_ok(*writer, 3));
+  CHECK(stat(srv, "bytes_buffered") < cfg.max_buffered_bytes);
+}
+
+TEST(a_client_that_does_not_read_is_paused_then_resumed) {
+  Server srv(quiet_config());
+  srv.start();
+  auto writer = greeted(srv.port());
+  const std::string value(2 * 1024 * 1024, 'v');
+  CHECK(writer->send(set_frame(2, "big", value)));
+  CHECK(writer->recv().ok);
+  auto reader = greeted(srv.port());
+  std::string reqs;
+  constexpr uint32_t kRequests = 40;  // 80 MiB of replies, more than kMaxWriteBufferBytes
+  for (uint32_t i = 0; i < kRequests; ++i)
+    reqs += frame(Op::TryGet, 100 + i, [](Writer& w) { w.bytes("big"); });
+  CHECK(reader->send(reqs));
+  CHECK(ping_ok(*writer, 4));
+  ::usleep(100 * 1000);
+  // Paused: the server holds at most about kOutputPauseBytes plus one reply for it.
+  CHECK(stat(srv, "bytes_buffered") <= kOutputPauseBytes + value.size() + 64 * 1024);
+  for (uint32_t i = 0; i < kRequests; ++i) {  // every reply, in order, once it reads
+    Reply r = reader->recv();
+    CHECK(r.ok && r.status == 0 && r.id == 100 + i);
+    CHECK_EQ(r.payload.size(), 1 + 4 + value.size() + 8);
+  }
+  CHECK(ping_ok(*reader, 5));
+}
+
 TEST(max_connections_refuses_extra) {
   ServerConfig cfg = quiet_config();
   cfg.max_connections = 2;

@@ -1,4 +1,5 @@
 // torch TCPStore request parsing: byte layouts checked against captures of torch 2.13's client.
+#include <algorithm>
 #include <string>
 
 #include "check.hpp"
@@ -118,4 +119,71 @@ TEST(pipelined_requests_consume_one_at_a_time) {
   CHECK(parse_request(both.data() + req.consumed, both.size() - req.consumed, &req, &ignored) ==
         Parse::Ready);
   CHECK(req.op == Op::GetNumKeys);
+}
+
+namespace {
+// Scans `bytes` handing them over `step` bytes at a time, as reads would; returns the result.
+Parse scan_in_steps(const std::string& bytes, std::size_t step, std::size_t* length,
+                    std::string* reason) {
+  Scanner sc;
+  Parse p = Parse::NeedMore;
+  for (std::size_t n = std::min(step, bytes.size());; n = std::min(n + step, bytes.size())) {
+    p = sc.scan(bytes.data(), n, reason);
+    if (p != Parse::NeedMore || n == bytes.size()) break;
+  }
+  *length = sc.length();
+  return p;
+}
+}  // namespace
+
+TEST(scanner_finds_the_end_of_every_request_however_it_is_split) {
+  const std::string requests[] = {
+      std::string("\x00\xce\xf7\x85\x3c", 5),
+      op(Op::Set) + str("/a") + str("1"),
+      op(Op::CompareSet) + str("/a") + str("1") + str("x"),
+      op(Op::Add) + str("/n") + u64le(3),
+      op(Op::Wait) + u64le(2) + str("/b") + str("/c"),
+      op(Op::MultiSet) + u64le(2) + str("/b") + str("2") + str("/c") + str("3"),
+      op(Op::MultiGet) + u64le(0),
+      op(Op::GetNumKeys),
+  };
+  for (const std::string& r : requests) {
+    for (std::size_t step : {std::size_t{1}, std::size_t{3}, r.size()}) {
+      std::size_t length = 0;
+      std::string reason;
+      CHECK(scan_in_steps(r + op(Op::Ping), step, &length, &reason) == Parse::Ready);
+      CHECK_EQ(length, r.size());  // stops at the end of the first request
+    }
+    Scanner sc;  // every proper prefix asks for more
+    std::string reason;
+    for (std::size_t n = 0; n < r.size(); ++n) CHECK(sc.scan(r.data(), n, &reason) == Parse::NeedMore);
+  }
+}
+
+TEST(scanner_refuses_a_request_declaring_more_than_the_limit_early) {
+  using elasticstore::kMaxValueBytes;
+  std::string reason;
+  std::size_t length = 0;
+  // Two 8 MiB values: refused when the second length arrives, none of the data needed.
+  const std::string head = op(Op::MultiSet) + u64le(2) + str("/a") + u64le(kMaxValueBytes);
+  Scanner sc;
+  std::string bytes = head + std::string(kMaxValueBytes, 'v') + str("/b") + u64le(kMaxValueBytes);
+  CHECK(sc.scan(bytes.data(), head.size(), &reason) == Parse::NeedMore);
+  CHECK(sc.scan(bytes.data(), bytes.size(), &reason) == Parse::TooLarge);
+  CHECK(reason.find("MULTI_SET") != std::string::npos);
+  CHECK(reason.find(std::to_string(kMaxRequestBytes)) != std::string::npos);
+  // A count whose keys could not fit, before any key.
+  const std::string many = op(Op::MultiGet) + u64le(kMaxKeysPerRequest);
+  CHECK(scan_in_steps(many, many.size(), &length, &reason) == Parse::NeedMore);
+  const std::string max_pairs = op(Op::MultiSet) + u64le(kMaxKeysPerRequest);
+  CHECK(scan_in_steps(max_pairs, max_pairs.size(), &length, &reason) == Parse::NeedMore);
+  CHECK(scan_in_steps(op(Op::Get) + u64le(kMaxKeyBytes + 1), 64, &length, &reason) == Parse::TooLarge);
+  CHECK(scan_in_steps(op(Op::Set) + str("/k") + u64le(~uint64_t{0}), 64, &length, &reason) ==
+        Parse::TooLarge);
+  CHECK(scan_in_steps(std::string(1, '\x13'), 1, &length, &reason) == Parse::UnknownOp);
+  // One maximal value with a maximal key still fits.
+  const std::string max_set =
+      op(Op::Set) + str(std::string(kMaxKeyBytes, 'k')) + str(std::string(kMaxValueBytes, 'v'));
+  CHECK(scan_in_steps(max_set, 1 << 16, &length, &reason) == Parse::Ready);
+  CHECK_EQ(length, max_set.size());
 }
