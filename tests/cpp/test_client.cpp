@@ -375,9 +375,9 @@ TEST(host_names_are_resolved) {
   addrinfo* res = nullptr;
   if (::getaddrinfo(name, nullptr, &hints, &res) == 0) {
     const auto* in = reinterpret_cast<const sockaddr_in*>(res->ai_addr);
-    const bool loopback = (ntohl(in->sin_addr.s_addr) >> 24) == 127;
+    const bool loopback = ntohl(in->sin_addr.s_addr) == INADDR_LOOPBACK;
     ::freeaddrinfo(res);
-    if (loopback && ntohl(in->sin_addr.s_addr) == INADDR_LOOPBACK) {
+    if (loopback) {  // the server listens on 127.0.0.1 only
       Client h(name, server->port(), quick_options());
       CHECK(h.check({"by-name"}));
     }
@@ -642,11 +642,6 @@ TEST(op_timeout_bounds_calls_and_names_their_keys) {
   CHECK(dt >= 0.39 && dt < 1.2);
   CHECK(contains(msg, "add \"counter\": "));
   CHECK(contains(msg, "no reply to ADD"));
-  auto clone_timeout = [&] {  // a clone keeps the current bound (it connects to nobody here)
-    ClientOptions o = c.options();
-    return o.op_timeout;
-  };
-  CHECK(clone_timeout() == milliseconds(300'000));  // options() are the constructor's
 }
 
 TEST(op_timeout_bounds_the_reconnect) {
