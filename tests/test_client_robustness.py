@@ -56,6 +56,26 @@ def server_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
         procs.kill_all([proc])
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of ``pid`` is stopped (delivery is asynchronous: a
+    server thread running on the other CPU may still answer a request sent right after kill)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            states = []
+            for tid in tasks:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            return False
+        return all(state in ("T", "t") for state in states)
+
+    procs.wait_until(stopped, 10, f"process {pid} to stop")
+    time.sleep(0.1)
+
+
 def _bounded(call: Callable[[], Any], limit: float) -> tuple[float, BaseException | None]:
     """Runs ``call`` on a thread; fails unless it returns or raises within ``limit`` seconds.
     Returns (seconds taken, exception raised or None)."""
@@ -89,7 +109,7 @@ def test_calls_on_a_stopped_server_fail_within_the_timeout(
     store = Store("127.0.0.1", port, timeout=timedelta(seconds=timeout))
     try:
         store.set("warm", "1")
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         # The first call finds the connection open (no reply); the next ones reconnect (the kernel
         # accepts, the stopped server never answers HELLO). Each is bounded by the timeout.
         calls: list[tuple[str, Callable[[], Any], list[str]]] = [
@@ -126,7 +146,7 @@ def test_set_timeout_applies_to_calls_that_do_not_block(
     try:
         store.set("warm", "1")
         store.set_timeout(timedelta(seconds=0.5))
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         dt, exc = _bounded(lambda: store.add("n", 1), 0.5 + SLACK + 10.0)
         assert dt <= 0.5 + SLACK, dt
         assert isinstance(exc, StoreNetworkError)

@@ -67,12 +67,15 @@ def _probe() -> bool:
     class _Probe(dist.Store):
         pass
 
-    probe = _Probe()
-    alone = _read_count(probe)
-    wrapper = dist.PrefixStore("elasticstore-probe", probe)
-    held = _read_count(probe)
-    del wrapper
-    return (alone, held, _read_count(probe)) == (1, 2, 1)
+    try:
+        probe = _Probe()
+        alone = _read_count(probe)
+        wrapper = dist.PrefixStore("elasticstore-probe", probe)
+        held = _read_count(probe)
+        del wrapper
+        return (alone, held, _read_count(probe)) == (1, 2, 1)
+    except Exception:  # another torch: park every dropped store, as before
+        return False
 
 
 def cpp_holders(store: dist.Store) -> int | None:
