@@ -51,10 +51,11 @@ class PyServer {
 
 // ---- Client -----------------------------------------------------------------------------------
 std::unique_ptr<es::Client> make_client(const std::string& host, int port, double connect_timeout,
-                                        const std::string& client_name) {
+                                        double timeout, const std::string& client_name) {
   if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
   es::ClientOptions options;
   options.connect_timeout = to_timeout(connect_timeout);
+  options.op_timeout = to_timeout(timeout);
   options.client_name = client_name;
   options.interrupt_check = python_interrupt_check;
   options.interruptible = python_interruptible;
@@ -122,10 +123,18 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<es::Client>(m, "Client")
       .def(py::init(&make_client), py::arg("host"), py::arg("port"), py::kw_only(),
-           py::arg("connect_timeout") = 300.0, py::arg("client_name") = "")
+           py::arg("connect_timeout") = 300.0, py::arg("timeout") = 300.0,
+           py::arg("client_name") = "")
       .def_property_readonly("host", &es::Client::host)
       .def_property_readonly("port", &es::Client::port)
       .def_property_readonly("session_id", &es::Client::session_id)
+      .def_property(
+          "timeout",
+          [](const es::Client& c) {
+            const auto t = c.op_timeout();
+            return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
+          },
+          [](es::Client& c, double seconds) { c.set_op_timeout(to_timeout(seconds)); })
       .def("clone", [](es::Client& c) { return call_blocking([&] { return c.clone(); }); })
       .def("close", [](es::Client& c) { call_blocking([&] { c.close(); }); })
       .def(

@@ -76,7 +76,10 @@ void read_keys(Reader& rd, std::vector<std::string>* out) {
 // ---- lifetime ---------------------------------------------------------------------------------
 
 Client::Client(std::string host, uint16_t port, ClientOptions options)
-    : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    : host_(std::move(host)),
+      port_(port),
+      options_(std::move(options)),
+      op_timeout_ms_(options_.op_timeout.count()) {
   if (host_.size() >= 2 && host_.front() == '[' && host_.back() == ']') {
     host_ = host_.substr(1, host_.size() - 2);  // "[::1]" -> "::1"
   }
@@ -102,7 +105,9 @@ bool Client::connected() const { return connected_.load(std::memory_order_relaxe
 
 std::unique_ptr<Client> Client::clone() const {
   check_not_closed();
-  return std::make_unique<Client>(host_, port_, options_);
+  ClientOptions options = options_;
+  options.op_timeout = op_timeout();
+  return std::make_unique<Client>(host_, port_, std::move(options));
 }
 
 void Client::close() {
@@ -148,7 +153,8 @@ void Client::handshake_locked(Clock::time_point deadline) {
   // A server that accepts but never answers must not stall the retries forever; a connection
   // made in the last attempt's window still gets a short window for the handshake.
   const auto now = Clock::now();
-  if (options_.op_timeout.count() >= 0) deadline = std::min(deadline, now + options_.op_timeout);
+  const Timeout op = op_timeout();
+  if (op.count() >= 0) deadline = std::min(deadline, now + op);
   deadline = std::max(deadline, now + kLastAttemptWindow);
   wbuf_.clear();
   wbuf_.append(kNativePreamble, kPreambleBytes);
@@ -183,18 +189,41 @@ void Client::handshake_locked(Clock::time_point deadline) {
 
 void Client::ensure_connected_locked() {
   check_not_closed();
+  // fork() child: the socket is the parent's too. Drop it unused and connect anew.
+  if (conn_->inherited()) conn_->drop_inherited();
   // Nothing of a new request was sent yet, so reconnecting here is always safe.
   if (conn_->is_open() && !conn_->idle_alive()) close_fd_locked();
   if (!conn_->is_open()) {
-    connect_locked(min_timeout(options_.reconnect_timeout, options_.connect_timeout));
+    Timeout budget = min_timeout(options_.reconnect_timeout, options_.connect_timeout);
+    if (call_deadline_ != Clock::time_point::max()) {
+      const auto left = std::chrono::ceil<milliseconds>(call_deadline_ - Clock::now());
+      budget = min_timeout(budget, std::max(left, milliseconds(0)));
+    }
+    connect_locked(budget);
   }
+}
+
+std::string CallSubject::describe() const {
+  if (keys) return quote_list(*keys);
+  if (has_key) return label + quote(key);
+  return std::string();
+}
+
+void Client::rethrow_network_locked(const NetworkError& e, Op op) {
+  const std::string s = subject_.describe();
+  throw NetworkError(lower_op(op) + (s.empty() ? "" : " " + s) + ": " + e.what());
 }
 
 // ---- one exchange -----------------------------------------------------------------------------
 
-Writer Client::begin_locked(Op op) {
-  (void)op;
-  ensure_connected_locked();
+Writer Client::begin_locked(Op op, Subject subject) {
+  call_deadline_ = deadline_after(Clock::now(), op_timeout());
+  subject_ = subject;
+  try {
+    ensure_connected_locked();
+  } catch (const NetworkError& e) {
+    rethrow_network_locked(e, op);
+  }
   conn_->drop_consumed();
   if (wbuf_.capacity() > kKeepBufferBytes) std::string().swap(wbuf_);
   wbuf_.clear();
@@ -211,19 +240,22 @@ Client::Reply Client::exchange_locked(Writer& w, Op op, uint32_t server_timeout_
                      " bytes exceeds the frame limit of " + std::to_string(kMaxFrameBytes) +
                      " bytes");
   }
-  conn_->send_all(wbuf_.data(), wbuf_.size(), deadline_after(Clock::now(), options_.op_timeout),
-                  op_name(static_cast<uint8_t>(op)));
-  const auto sent_at = Clock::now();
-  Clock::time_point deadline;
-  if (server_timeout_ms == kNotBlocking) {
-    deadline = deadline_after(sent_at, options_.op_timeout);
-  } else if (server_timeout_ms == kNoTimeout) {
-    deadline = Clock::time_point::max();
-  } else {
-    const milliseconds t(server_timeout_ms);
-    deadline = sent_at + t + std::max(kMinSlack, t / 10);
+  try {
+    conn_->send_all(wbuf_.data(), wbuf_.size(), call_deadline_, op_name(static_cast<uint8_t>(op)));
+    const auto sent_at = Clock::now();
+    Clock::time_point deadline;
+    if (server_timeout_ms == kNotBlocking) {
+      deadline = call_deadline_;
+    } else if (server_timeout_ms == kNoTimeout) {
+      deadline = Clock::time_point::max();
+    } else {
+      const milliseconds t(server_timeout_ms);
+      deadline = sent_at + t + std::max(kMinSlack, t / 10);
+    }
+    return read_reply_locked(request_id_, deadline, op, server_timeout_ms, sent_at);
+  } catch (const NetworkError& e) {
+    rethrow_network_locked(e, op);
   }
-  return read_reply_locked(request_id_, deadline, op, server_timeout_ms, sent_at);
 }
 
 Client::Reply Client::read_reply_locked(uint32_t request_id, Clock::time_point deadline, Op op,

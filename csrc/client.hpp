@@ -33,8 +33,9 @@ class TimeoutError : public StoreError {
  public:
   using StoreError::StoreError;
 };
-// Connect failure, reset, EOF, or no reply within the client-side deadline. The connection is
-// closed; the next call reconnects (a new session).
+// Connect failure, reset, EOF, or no reply within the client-side deadline (the message names
+// the operation and its key(s)). The connection is closed; the next call reconnects (a new
+// session).
 class NetworkError : public StoreError {
  public:
   using StoreError::StoreError;
@@ -70,10 +71,11 @@ struct ClientOptions {
   // negative: forever.
   Timeout connect_timeout{300'000};
   // How long the first call after the connection broke keeps retrying to reconnect (at most
-  // connect_timeout), so that a call on a dead server fails within this time.
+  // connect_timeout and op_timeout), so that a call on a dead server fails within this time.
   Timeout reconnect_timeout{30'000};
-  // Client-side deadline for the reply to a request that does not block server-side, and for
-  // sending any request.
+  // Bounds every call (Client::set_op_timeout changes it): reconnecting, sending, and the reply
+  // to a request that does not block server-side all finish within it from the call's start. A
+  // request that blocks server-side with timeout t gets its reply within t plus a slack.
   Timeout op_timeout{300'000};
   // Sent in HELLO (at most kMaxClientNameBytes).
   std::string client_name;
@@ -103,6 +105,19 @@ struct WatchEvent {
   uint64_t revision = 0;
 };
 
+// What a call is about (a key, a labelled key, or keys), named in its network errors. Views:
+// valid for the call. Internal to the client.
+struct CallSubject {
+  CallSubject() = default;
+  CallSubject(std::string_view k, const char* l = "") : key(k), label(l), has_key(true) {}
+  CallSubject(const std::vector<std::string>& ks) : keys(&ks) {}
+  std::string describe() const;
+  std::string_view key;
+  const std::vector<std::string>* keys = nullptr;
+  const char* label = "";
+  bool has_key = false;
+};
+
 // ---- the client -------------------------------------------------------------------------------
 class ClientTransport;  // client_transport.hpp
 
@@ -111,6 +126,8 @@ class ClientTransport;  // client_transport.hpp
 // connection, which another call is using).
 // A broken connection is re-established by the next call; a request that failed after it was
 // (partly) sent is never retried (it may have been applied): it throws NetworkError.
+// fork(): a call in the child drops the connection inherited from the parent (closing its file
+// descriptor without sending on it or shutting it down) and makes its own.
 class Client {
  public:
   // Connects, retrying with jittered exponential backoff until options.connect_timeout.
@@ -125,6 +142,9 @@ class Client {
   uint64_t session_id() const { return session_id_.load(std::memory_order_relaxed); }
   bool connected() const;
   const ClientOptions& options() const { return options_; }
+  // The bound of every call (ClientOptions::op_timeout); thread-safe, applies to the next call.
+  Timeout op_timeout() const { return Timeout(op_timeout_ms_.load(std::memory_order_relaxed)); }
+  void set_op_timeout(Timeout t) { op_timeout_ms_.store(t.count(), std::memory_order_relaxed); }
 
   // A new connection (a new session) to the same server with the same options.
   std::unique_ptr<Client> clone() const;
@@ -164,6 +184,7 @@ class Client {
     uint8_t status = 0;
     std::string_view payload;  // valid until the next request
   };
+  using Subject = CallSubject;
 
   // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
   std::unique_lock<std::timed_mutex> lock_call();
@@ -175,10 +196,12 @@ class Client {
   void ensure_connected_locked();
   void close_fd_locked();
 
-  // One exchange: begin_locked() checks the client, (re)connects and starts the frame;
-  // exchange_locked() finishes it, sends it and reads the matching reply. server_timeout_ms is
-  // the timeout sent to the server (kNoTimeout) or kNotBlocking for requests that never block.
-  Writer begin_locked(Op op);
+  // One exchange: begin_locked() starts the call's deadline (op_timeout), checks the client,
+  // (re)connects and starts the frame; exchange_locked() finishes it, sends it and reads the
+  // matching reply. server_timeout_ms is the timeout sent to the server (kNoTimeout) or
+  // kNotBlocking for requests that never block. Their network errors name op and subject.
+  Writer begin_locked(Op op, Subject subject = {});
+  [[noreturn]] void rethrow_network_locked(const NetworkError& e, Op op);
   Reply exchange_locked(Writer& w, Op op, uint32_t server_timeout_ms);
   Reply wait_for_keys_locked(Op op, const std::vector<std::string>& keys, Timeout timeout);
   Reply read_reply_locked(uint32_t request_id, Clock::time_point deadline, Op op,
@@ -210,6 +233,9 @@ class Client {
   uint32_t next_request_id_ = 1;
   std::string wbuf_;         // the request being built; reused
   uint32_t request_id_ = 0;  // of the request being built
+  std::atomic<int64_t> op_timeout_ms_;
+  Clock::time_point call_deadline_{};  // of the call in progress (op_timeout from its start)
+  Subject subject_;                    // of the call in progress
   std::minstd_rand rng_;
 };
 

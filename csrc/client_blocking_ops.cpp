@@ -15,7 +15,7 @@ std::string Client::get(std::string_view key, Timeout timeout) {
   check_key(Op::Get, key);
   auto lock = lock_call();
   const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(Op::Get);
+  Writer w = begin_locked(Op::Get, key);
   w.bytes(key);
   w.u32(t);
   const auto start = Clock::now();
@@ -38,7 +38,7 @@ std::string Client::get(std::string_view key, Timeout timeout) {
 Client::Reply Client::wait_for_keys_locked(Op op, const std::vector<std::string>& keys,
                                            Timeout timeout) {
   const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(op);
+  Writer w = begin_locked(op, keys);
   w.keys(keys);
   w.u32(t);
   const auto start = Clock::now();
@@ -93,7 +93,7 @@ std::optional<std::string> Client::queue_pop(std::string_view queue, Timeout tim
   check_key(Op::QueuePop, queue);
   auto lock = lock_call();
   const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(Op::QueuePop);
+  Writer w = begin_locked(Op::QueuePop, Subject(queue, "queue "));
   w.bytes(queue);
   w.u32(t);
   const auto start = Clock::now();
@@ -119,7 +119,7 @@ uint64_t Client::barrier(std::string_view key, int64_t world_size, Timeout timeo
   }
   auto lock = lock_call();
   const uint32_t t = wire_timeout(timeout);
-  Writer w = begin_locked(Op::Barrier);
+  Writer w = begin_locked(Op::Barrier, key);
   w.bytes(key);
   w.u32(static_cast<uint32_t>(world_size));
   w.u32(t);
@@ -146,7 +146,7 @@ WatchEvent Client::watch(std::string_view key, std::optional<uint64_t> after_rev
   auto lock = lock_call();
   const uint32_t t = wire_timeout(timeout);
   const uint64_t after = after_revision ? *after_revision : kWatchFromNow;
-  Writer w = begin_locked(Op::Watch);
+  Writer w = begin_locked(Op::Watch, Subject(key, prefix ? "prefix " : ""));
   w.bytes(key);
   w.u8(prefix ? 1 : 0);
   w.u64(after);

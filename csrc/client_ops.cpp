@@ -16,7 +16,7 @@ uint64_t Client::set(std::string_view key, std::string_view value, bool ephemera
   check_key(Op::Set, key);
   check_value(Op::Set, key, value);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::Set);
+  Writer w = begin_locked(Op::Set, key);
   w.bytes(key);
   w.bytes(value);
   w.u8(ephemeral ? kFlagEphemeral : 0);
@@ -31,7 +31,7 @@ uint64_t Client::set(std::string_view key, std::string_view value, bool ephemera
 std::optional<std::pair<std::string, uint64_t>> Client::try_get(std::string_view key) {
   check_key(Op::TryGet, key);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::TryGet);
+  Writer w = begin_locked(Op::TryGet, key);
   w.bytes(key);
   const Reply r = exchange_locked(w, Op::TryGet, kNotBlocking);
   expect_ok_locked(r, Op::TryGet, [&] { return quote(key); });
@@ -47,7 +47,7 @@ std::optional<std::pair<std::string, uint64_t>> Client::try_get(std::string_view
 int64_t Client::add(std::string_view key, int64_t delta) {
   check_key(Op::Add, key);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::Add);
+  Writer w = begin_locked(Op::Add, key);
   w.bytes(key);
   w.i64(delta);
   const Reply r = exchange_locked(w, Op::Add, kNotBlocking);
@@ -64,7 +64,7 @@ CompareSetResult Client::compare_set(std::string_view key, std::string_view expe
   check_value(Op::CompareSet, key, expected);
   check_value(Op::CompareSet, key, desired);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::CompareSet);
+  Writer w = begin_locked(Op::CompareSet, key);
   w.bytes(key);
   w.bytes(expected);
   w.bytes(desired);
@@ -87,7 +87,7 @@ bool Client::check(const std::vector<std::string>& keys) {
     return true;
   }
   auto lock = lock_call();
-  Writer w = begin_locked(Op::Check);
+  Writer w = begin_locked(Op::Check, keys);
   w.keys(keys);
   const Reply r = exchange_locked(w, Op::Check, kNotBlocking);
   expect_ok_locked(r, Op::Check, [&] { return quote_list(keys); });
@@ -100,7 +100,7 @@ bool Client::check(const std::vector<std::string>& keys) {
 bool Client::delete_key(std::string_view key) {
   check_key(Op::DeleteKey, key);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::DeleteKey);
+  Writer w = begin_locked(Op::DeleteKey, key);
   w.bytes(key);
   const Reply r = exchange_locked(w, Op::DeleteKey, kNotBlocking);
   expect_ok_locked(r, Op::DeleteKey, [&] { return quote(key); });
@@ -124,7 +124,7 @@ int64_t Client::num_keys() {
 std::vector<std::string> Client::list_keys(std::string_view prefix) {
   check_key(Op::ListKeys, prefix);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::ListKeys);
+  Writer w = begin_locked(Op::ListKeys, Subject(prefix, "prefix "));
   w.bytes(prefix);
   const Reply r = exchange_locked(w, Op::ListKeys, kNotBlocking);
   expect_ok_locked(r, Op::ListKeys, [&] { return "prefix " + quote(prefix); });
@@ -142,7 +142,7 @@ uint64_t Client::append(std::string_view key, std::string_view value) {
   check_key(Op::Append, key);
   check_value(Op::Append, key, value);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::Append);
+  Writer w = begin_locked(Op::Append, key);
   w.bytes(key);
   w.bytes(value);
   const Reply r = exchange_locked(w, Op::Append, kNotBlocking);
@@ -162,7 +162,7 @@ uint64_t Client::multi_set(const std::vector<std::string>& keys,
   check_keys(Op::MultiSet, keys);
   for (std::size_t i = 0; i < keys.size(); ++i) check_value(Op::MultiSet, keys[i], values[i]);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::MultiSet);
+  Writer w = begin_locked(Op::MultiSet, keys);
   w.u32(static_cast<uint32_t>(keys.size()));
   for (std::size_t i = 0; i < keys.size(); ++i) {
     w.bytes(keys[i]);
@@ -180,7 +180,7 @@ int64_t Client::queue_push(std::string_view queue, std::string_view value) {
   check_key(Op::QueuePush, queue);
   check_value(Op::QueuePush, queue, value);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::QueuePush);
+  Writer w = begin_locked(Op::QueuePush, Subject(queue, "queue "));
   w.bytes(queue);
   w.bytes(value);
   const Reply r = exchange_locked(w, Op::QueuePush, kNotBlocking);
@@ -194,7 +194,7 @@ int64_t Client::queue_push(std::string_view queue, std::string_view value) {
 int64_t Client::queue_len(std::string_view queue) {
   check_key(Op::QueueLen, queue);
   auto lock = lock_call();
-  Writer w = begin_locked(Op::QueueLen);
+  Writer w = begin_locked(Op::QueueLen, Subject(queue, "queue "));
   w.bytes(queue);
   const Reply r = exchange_locked(w, Op::QueueLen, kNotBlocking);
   expect_ok_locked(r, Op::QueueLen, [&] { return "queue " + quote(queue); });

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -13,9 +14,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace elasticstore {
 
@@ -63,7 +67,29 @@ Clock::time_point deadline_after(Clock::time_point from, Timeout t) {
   return from + t;
 }
 
+namespace {
+std::atomic<uint64_t> g_fork_generation{1};
+void on_fork_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+uint64_t fork_generation() { return g_fork_generation.load(std::memory_order_relaxed); }
+
 }  // namespace client_detail
+
+// A forward lookup (getaddrinfo, never a reverse one) on its own thread, so that a resolver that
+// does not answer cannot hold a call past its deadline. The thread owns a reference: a lookup
+// abandoned at the deadline finishes (and is freed) on its own.
+struct ResolveJob {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int rc = 0;
+  int err = 0;  // errno, for EAI_SYSTEM
+  addrinfo* res = nullptr;
+  ~ResolveJob() {
+    if (res) ::freeaddrinfo(res);
+  }
+};
 
 namespace {
 
@@ -90,24 +116,45 @@ ClientTransport::ClientTransport(std::string host, uint16_t port,
       interrupt_check_(interrupt_check),
       interruptible_(interruptible),
       on_close_(std::move(on_close)) {
+  static std::once_flag atfork_once;
+  std::call_once(atfork_once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
   std::random_device rd;
   rng_.seed(rd());
+  fork_gen_ = fork_generation();
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) throw NetworkError("eventfd: " + errno_text(errno));
 }
 
 ClientTransport::~ClientTransport() {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) ::close(fd_);  // never shutdown(): after fork() the parent may share it
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void ClientTransport::signal_close() {
   if (!closed_.exchange(true)) {
+    // After fork() the eventfd is the parent's too: waking it would disturb the parent's calls.
+    // No call of this process can be waiting on it (the first call here replaces it).
+    if (inherited()) return;
     const uint64_t one = 1;
     if (::write(wake_fd_, &one, sizeof one) < 0) {
       // Cannot fail for an eventfd counter this far from overflow; nothing to do if it did.
     }
   }
+}
+
+void ClientTransport::drop_inherited() {
+  if (fd_ >= 0) {
+    ::close(fd_);  // no shutdown(), no send: the parent's connection and session are untouched
+    fd_ = -1;
+  }
+  rlen_ = 0;
+  consume_ = 0;
+  resolving_.reset();  // its thread stayed in the parent
+  const int fresh = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (fresh < 0) throw NetworkError(endpoint() + ": eventfd: " + errno_text(errno));
+  ::close(wake_fd_.exchange(fresh));
+  fork_gen_ = fork_generation();
+  on_close_();
 }
 
 void ClientTransport::check_not_closed() const {
@@ -172,26 +219,72 @@ void ClientTransport::connect(Timeout timeout,
   }
 }
 
-bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* error) {
+std::shared_ptr<ResolveJob> ClientTransport::resolve(Clock::time_point deadline,
+                                                     std::string* error) {
+  const std::string service = std::to_string(port_);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_protocol = IPPROTO_TCP;
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-  const std::string service = std::to_string(port_);
   const char* node = host_.empty() ? nullptr : host_.c_str();
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(node, service.c_str(), &hints, &res);
-  if (rc == EAI_NONAME && node) {
-    hints.ai_flags = AI_NUMERICSERV;  // not a numeric address: forward lookup only
-    rc = ::getaddrinfo(node, service.c_str(), &hints, &res);
+  auto job = std::make_shared<ResolveJob>();
+  job->rc = ::getaddrinfo(node, service.c_str(), &hints, &job->res);  // numeric: no I/O
+  job->err = errno;
+  if (job->rc == EAI_NONAME && node) {
+    // A name: a forward lookup on a thread (a lookup still running from an earlier attempt is
+    // waited for rather than started again), bounded by the deadline.
+    if (!resolving_) {
+      job->res = nullptr;
+      resolving_ = job;
+      hints.ai_flags = AI_NUMERICSERV;  // no AI_CANONNAME: never a reverse lookup
+      std::thread([job, host = host_, service, hints] {
+        addrinfo* res = nullptr;
+        const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+        const int err = errno;
+        std::lock_guard<std::mutex> lock(job->mu);
+        job->rc = rc;
+        job->err = err;
+        job->res = res;
+        job->done = true;
+        job->cv.notify_all();
+      }).detach();
+    }
+    job = resolving_;
+    const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());
+    std::unique_lock<std::mutex> lock(job->mu);
+    while (!job->done) {
+      check_not_closed();
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        *error = "cannot resolve " + quote(host_) + ": no answer from the resolver in time";
+        return nullptr;
+      }
+      auto until = deadline;
+      if (check_interrupts) until = std::min(until, now + milliseconds(kInterruptPollMs));
+      job->cv.wait_until(lock, until);
+      if (!job->done && check_interrupts) {
+        lock.unlock();
+        if (interrupt_check_()) {
+          throw InterruptedError(endpoint() + ": interrupted while resolving " + quote(host_));
+        }
+        lock.lock();
+      }
+    }
+    resolving_.reset();
   }
-  if (rc != 0) {
+  if (job->rc != 0) {
     *error = "cannot resolve " + quote(host_) + ": " +
-             (rc == EAI_SYSTEM ? errno_text(errno) : std::string(::gai_strerror(rc)));
-    return false;
+             (job->rc == EAI_SYSTEM ? errno_text(job->err) : std::string(::gai_strerror(job->rc)));
+    return nullptr;
   }
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> guard(res, ::freeaddrinfo);
+  return job;
+}
+
+bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* error) {
+  const std::shared_ptr<ResolveJob> resolved = resolve(deadline, error);
+  if (!resolved) return false;
+  addrinfo* res = resolved->res;
   for (addrinfo* ai = res; ai; ai = ai->ai_next) {
     const int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                            ai->ai_protocol);
@@ -226,12 +319,23 @@ bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* 
       close_fd();
       continue;
     }
+    // Blocking from now on: recv() blocks for at most kRecvSlice (SO_RCVTIMEO), send() is made
+    // non-blocking per call (MSG_DONTWAIT).
+    const int flags = ::fcntl(s, F_GETFL);
+    if (flags < 0 || ::fcntl(s, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+      *error = "fcntl: " + errno_text(errno);
+      close_fd();
+      continue;
+    }
+    const timeval slice{0, static_cast<suseconds_t>(kRecvSlice.count() * 1000)};
+    ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &slice, sizeof slice);
     const int one = 1;
     ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     ::setsockopt(s, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
     ::setsockopt(s, IPPROTO_TCP, TCP_KEEPIDLE, &kKeepIdleS, sizeof kKeepIdleS);
     ::setsockopt(s, IPPROTO_TCP, TCP_KEEPINTVL, &kKeepIntervalS, sizeof kKeepIntervalS);
     ::setsockopt(s, IPPROTO_TCP, TCP_KEEPCNT, &kKeepCount, sizeof kKeepCount);
+    last_used_ = Clock::now();
     return true;
   }
   return false;
@@ -239,6 +343,9 @@ bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* 
 
 bool ClientTransport::idle_alive() {
   if (rlen_ > consume_) return false;  // unsolicited bytes: the stream is out of step
+  // Used a moment ago: skip the peek (a syscall). A server that went away since is noticed by
+  // this call's send or recv instead (a NetworkError; the request is not sent again).
+  if (Clock::now() - last_used_ < kIdleCheck) return true;
   char c;
   const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
   if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
@@ -246,6 +353,14 @@ bool ClientTransport::idle_alive() {
 }
 
 // ---- waiting, sending, receiving ---------------------------------------------------------------
+
+void ClientTransport::check_not_closed_waiting(const char* doing, const char* what) {
+  if (closed_.load()) {
+    close_fd();
+    throw NetworkError(endpoint() + ": the client was closed while " + doing +
+                       (*what ? " " : "") + what);
+  }
+}
 
 bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const char* doing,
                               const char* what) {
@@ -261,15 +376,12 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
     if (check_interrupts) {
       timeout_ms = timeout_ms < 0 ? kInterruptPollMs : std::min(timeout_ms, kInterruptPollMs);
     }
-    pollfd pfds[2] = {{wake_fd_, POLLIN, 0}, {fd_, events, 0}};
+    check_not_closed_waiting(doing, what);
+    pollfd pfds[2] = {{wake_fd_.load(), POLLIN, 0}, {fd_, events, 0}};
     const nfds_t nfds = fd_ >= 0 && events ? 2 : 1;
     const int n = ::poll(pfds, nfds, timeout_ms);
     if (n < 0 && errno != EINTR) fail_network(std::string("poll: ") + errno_text(errno));
-    if (closed_.load()) {
-      close_fd();
-      throw NetworkError(endpoint() + ": the client was closed while " + doing +
-                         (*what ? " " : "") + what);
-    }
+    check_not_closed_waiting(doing, what);
     // POLLERR/POLLHUP count as ready: the next send/recv reports the error.
     if (n > 0 && nfds == 2 && pfds[1].revents) return true;
     if (check_interrupts && interrupt_check_()) {
@@ -314,27 +426,43 @@ void ClientTransport::drop_consumed() {
 
 bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, const char* name) {
   if (rbuf_.size() < want) rbuf_.resize(std::max(want, rbuf_.size() * 2));
-  // A reply is rarely there the moment a request went out: wait first rather than spend a recv
-  // on EAGAIN.
-  if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
+  // Fast path: one blocking recv, which the socket's receive timeout cuts after kRecvSlice; the
+  // reply to a request that does not block server-side is nearly always there by then.
+  if (deadline == Clock::time_point::max() || deadline - Clock::now() >= kRecvSlice) {
+    const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, 0);
+    if (n > 0) {
+      rlen_ += static_cast<std::size_t>(n);
+      last_used_ = Clock::now();
+      return true;
+    }
+    if (n == 0) eof_while(name);
+    const int err = errno;
+    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) recv_failed(name, err);
+    // No reply within a slice, or a signal: wait with poll(), which watches close() and
+    // interrupts too.
+  }
   for (;;) {
+    if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
     const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, MSG_DONTWAIT);
     if (n > 0) {
       rlen_ += static_cast<std::size_t>(n);
+      last_used_ = Clock::now();
       return true;
     }
-    if (n == 0) {
-      fail_network(std::string("the server closed the connection while ") + name +
-                   " was waiting for its reply");
-    }
+    if (n == 0) eof_while(name);
     const int err = errno;
-    if (err == EINTR) continue;
-    if (err != EAGAIN && err != EWOULDBLOCK) {
-      fail_network(std::string("receiving the reply to ") + name + ": " + errno_text(err) +
-                   "; connection closed");
-    }
-    if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
+    if (err != EINTR && err != EAGAIN && err != EWOULDBLOCK) recv_failed(name, err);
   }
+}
+
+void ClientTransport::eof_while(const char* name) {
+  fail_network(std::string("the server closed the connection while ") + name +
+               " was waiting for its reply");
+}
+
+void ClientTransport::recv_failed(const char* name, int err) {
+  fail_network(std::string("receiving the reply to ") + name + ": " + errno_text(err) +
+               "; connection closed");
 }
 
 }  // namespace elasticstore

@@ -1,7 +1,14 @@
-// The blocking client's transport (see client.hpp): address resolution, connecting with backoff,
-// the socket and its keepalive, send/recv/poll against deadlines, interrupt checks, and the
-// eventfd that close() signals. It knows frames only as bytes; client.cpp encodes requests and
-// decodes replies.
+// The blocking client's transport (see client.hpp): address resolution (forward only, bounded by
+// the caller's deadline), connecting with backoff, the socket and its keepalive, send/recv/poll
+// against deadlines, interrupt checks, the eventfd that close() signals, and dropping a socket
+// inherited across fork(). It knows frames only as bytes; client.cpp encodes requests and decodes
+// replies.
+//
+// The hot path costs two syscalls per call: a send, and a blocking recv cut by the socket's
+// receive timeout (SO_RCVTIMEO, kRecvSlice, set once per connection). poll() is used only when no
+// reply came within one slice, or when the call's deadline is nearer than a slice; it watches the
+// close() eventfd and interrupts. The idle connection's liveness peek is made only when it was
+// idle for more than kIdleCheck.
 #pragma once
 
 #include <atomic>
@@ -9,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <string_view>
@@ -24,6 +32,16 @@ using Clock = std::chrono::steady_clock;
 inline constexpr std::size_t kKeepBufferBytes = 1024 * 1024;
 // The last connect attempt, made at the deadline, and its handshake still get this window.
 inline constexpr std::chrono::milliseconds kLastAttemptWindow{100};
+// The socket's receive timeout: a blocking recv waits at most this long before the call falls
+// back to poll() (which also watches close() and interrupts). At most kInterruptPollMs.
+inline constexpr std::chrono::milliseconds kRecvSlice{kInterruptPollMs};
+// A connection unused for longer than this is checked for EOF (a restarted server) before a
+// request is sent on it; a recently used one is not (one syscall less per call).
+inline constexpr std::chrono::milliseconds kIdleCheck{100};
+
+// Incremented in the child by a pthread_atfork handler: a connection made under another value
+// was inherited across fork().
+uint64_t fork_generation();
 
 std::string errno_text(int err);
 double seconds(Clock::duration d);
@@ -35,6 +53,8 @@ Clock::time_point deadline_after(Clock::time_point from, Timeout t);
 
 // One connection's transport. Not thread-safe: the Client serializes calls with its mutex; only
 // signal_close(), closed() and check_not_closed() may be called from any thread.
+struct ResolveJob;  // a forward lookup on its own thread (client_transport.cpp)
+
 class ClientTransport {
  public:
   using Clock = client_detail::Clock;
@@ -57,8 +77,15 @@ class ClientTransport {
   // Connects, retrying with jittered exponential backoff until timeout; handshake(deadline) runs
   // on each new socket, and a NetworkError from it counts as a failed attempt.
   void connect(Timeout timeout, const std::function<void(Clock::time_point)>& handshake);
-  // False when the idle connection is dead (EOF) or out of step (unsolicited bytes).
+  // False when the idle connection is out of step (unsolicited bytes) or, when it was idle for
+  // more than kIdleCheck, dead (EOF).
   bool idle_alive();
+  // True when the socket was made by another process (this one is a fork() child). Then
+  // drop_inherited() must run before the next call: the parent still uses that socket.
+  bool inherited() const { return fork_gen_ != client_detail::fork_generation(); }
+  // Closes the inherited socket without sending on it or shutting it down (the parent's
+  // connection is untouched), and replaces the close() eventfd, also shared with the parent.
+  void drop_inherited();
   // Closes the socket and drops buffered bytes.
   void close_fd();
   [[noreturn]] void fail_network(const std::string& what);
@@ -80,6 +107,12 @@ class ClientTransport {
 
  private:
   bool try_connect_once(Clock::time_point deadline, std::string* error);
+  void check_not_closed_waiting(const char* doing, const char* what);
+  [[noreturn]] void eof_while(const char* name);
+  [[noreturn]] void recv_failed(const char* name, int err);
+  // The addresses of host_ (numeric: at once; a name: forward lookup on a thread, waited for
+  // until deadline). Null with *error set when it failed or did not finish in time.
+  std::shared_ptr<ResolveJob> resolve(Clock::time_point deadline, std::string* error);
 
   const std::string host_;
   const uint16_t port_;
@@ -87,7 +120,11 @@ class ClientTransport {
   const std::function<bool()>& interruptible_;
   const std::function<void()> on_close_;
   int fd_ = -1;
-  int wake_fd_ = -1;  // eventfd signalled by signal_close() to abort a call in progress
+  // eventfd signalled by signal_close() to abort a call in progress; replaced after fork().
+  std::atomic<int> wake_fd_{-1};
+  std::atomic<uint64_t> fork_gen_{0};  // fork_generation() when wake_fd_ (and fd_) were made
+  std::shared_ptr<ResolveJob> resolving_;  // a lookup still running, reused by the next attempt
+  Clock::time_point last_used_{};          // when the last reply (or the connection) came
   std::atomic<bool> closed_{false};
   bool connected_once_ = false;
   std::string rbuf_;         // raw storage for received bytes; size() is the capacity

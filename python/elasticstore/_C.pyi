@@ -63,9 +63,16 @@ class Client:
     serialized on the connection; use ``clone()`` for independent connections. The constructor
     connects, retrying with backoff until ``connect_timeout``.
 
+    ``host`` is a numeric address or a name, resolved forward (never a reverse lookup) on each
+    connect, within the connect timeout. ``timeout`` bounds every call: reconnecting, sending,
+    and the reply to a request that does not block server-side (a request that blocks gets its
+    timeout plus a slack); past it the network error names the operation and its keys.
+
     When the connection breaks (network error, server restart, a call interrupted by a signal),
     the next call reconnects first: a new session, so the ephemeral keys of the old one are gone.
     A call that fails after its request was sent is not retried (it may have been applied).
+    After ``fork()``, the child's first call drops the inherited connection (closing its file
+    descriptor, sending nothing) and makes its own; the parent's connection is untouched.
     A blocking call on the main thread runs Python signal handlers every 100 ms: Ctrl-C raises
     ``KeyboardInterrupt`` at once (and closes the connection). Arguments refused before sending
     (a key or value over its limit, mismatched ``multi_set`` lengths, ``world_size < 1``) raise
@@ -77,6 +84,7 @@ class Client:
         port: int,
         *,
         connect_timeout: float = 300.0,
+        timeout: float = 300.0,
         client_name: str = "",
     ) -> None: ...
     @property
@@ -85,6 +93,12 @@ class Client:
     def port(self) -> int: ...
     @property
     def session_id(self) -> int: ...
+    @property
+    def timeout(self) -> float:
+        """The bound of every call, in seconds (negative: none); settable, applies to the next
+        call."""
+    @timeout.setter
+    def timeout(self, seconds: float) -> None: ...
     def clone(self) -> Client: ...
     def close(self) -> None:
         """Closes the connection for good; a call blocked on another thread raises the network

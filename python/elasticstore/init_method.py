@@ -12,10 +12,13 @@ Who serves the store:
 
 - By default **rank 0 hosts the server** on ``host:port`` of the URL (as ``tcp://`` makes rank 0
   host the TCPStore master) and every rank, rank 0 included, connects to it. ``host`` must then be
-  an address of rank 0's machine (``0.0.0.0`` or ``::`` are not: clients need a real address; add
-  ``?bind=0.0.0.0`` to listen on every interface while the others connect to ``host``). The server
-  is tied to rank 0's store object, which torch keeps for the whole job (see ``store.py``,
-  keep-alive): it serves until that store is closed or the process exits.
+  an address or a name of rank 0's machine (``0.0.0.0`` or ``::`` are not: clients need a real
+  address; add ``?bind=0.0.0.0`` to listen on every interface while the others connect to
+  ``host``); a name is resolved forward within the group's timeout. The server is tied to rank
+  0's store object, which torch keeps for the whole job (see ``_keepalive.py``): it serves until
+  torch lets the store go (``destroy_process_group``) and the store is released, at the latest
+  when the scheme is initialised again in this process (so one URL can be used again, as with
+  ``tcp://``), or until the process exits.
 - ``?server=external``: nobody hosts; every rank only connects, to a server started separately::
 
       elasticstore server --host 10.0.0.1 --port 29400 &
@@ -29,11 +32,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+import gc
 from urllib.parse import parse_qsl, urlparse
 
 from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.distributed.constants import default_pg_timeout
 
+from . import _keepalive
 from .server import StoreServer
 from .store import Store
 
@@ -66,9 +71,16 @@ def _handler(
     if mode not in _SERVER_MODES:
         raise _error(f"server={mode!r}: expected one of {', '.join(_SERVER_MODES)}")
 
+    # Stores of an earlier group torch released (destroy_process_group) let go of their
+    # connections and servers now: this rank 0 may bind the same port again.
+    _keepalive.sweep()
+    if _keepalive.PARKED:
+        gc.collect()  # torch's objects may hold a store in reference cycles (gc then sweeps)
     server = None
     if mode == "rank0" and rank == 0:
-        server = StoreServer(query.get("bind", result.hostname), result.port)
+        server = StoreServer(
+            query.get("bind", result.hostname), result.port, resolve_timeout=timeout
+        )
     try:
         store = Store(result.hostname, result.port, timeout=timeout, client_name=f"rank{rank}")
     except BaseException:

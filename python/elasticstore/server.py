@@ -2,14 +2,56 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from types import TracebackType
 
 from . import _C
 
-__all__ = ["LOG_LEVELS", "ServerConfig", "StoreServer", "format_address"]
+__all__ = ["LOG_LEVELS", "ServerConfig", "StoreServer", "format_address", "resolve_host"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
+_RESOLVE_TIMEOUT = 60.0
+
+
+def _is_numeric(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return True
+        except OSError:
+            pass
+    return False
+
+
+def resolve_host(host: str, timeout: float) -> str:
+    """``host`` as a numeric address: itself when numeric, else the first address a forward
+    lookup (``getaddrinfo``, never a reverse one) gives within ``timeout`` seconds. The lookup
+    runs on a daemon thread, so a resolver that does not answer cannot hold the caller longer.
+    Raises OSError naming the host."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if _is_numeric(bare):
+        return bare
+    result: list[str] = []
+    failure: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+            result.append(str(infos[0][4][0]))
+        except OSError as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=lookup, name=f"resolve {bare}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if failure:
+        raise OSError(f"cannot resolve {bare!r}: {failure[0]}") from failure[0]
+    if not result:
+        raise OSError(f"cannot resolve {bare!r}: no answer from the resolver within {timeout:g} s")
+    return result[0]
 
 
 def format_address(host: str, port: int) -> str:
@@ -56,8 +98,10 @@ class ServerConfig:
 class StoreServer:
     """The native store server, serving on a background thread of this process.
 
-    The constructor binds, listens and starts serving, so ``port`` is known (and address errors
-    are raised) at once::
+    ``host`` is a numeric address (``0.0.0.0`` or ``::`` for every interface) or a name, resolved
+    forward within ``resolve_timeout`` seconds; the first address it resolves to is bound. The
+    constructor binds, listens and starts serving, so ``port`` is known (and address errors are
+    raised) at once::
 
         with StoreServer(port=0) as server:
             store = elasticstore.Store(server.host, server.port)
@@ -71,11 +115,14 @@ class StoreServer:
         backlog: int = 0,
         max_connections: int = 65536,
         log_level: str = "warning",
+        resolve_timeout: timedelta | float = _RESOLVE_TIMEOUT,
     ) -> None:
         self._config = ServerConfig(host, port, backlog, max_connections, log_level)
         self._server: _C.Server | None = None
+        if isinstance(resolve_timeout, timedelta):
+            resolve_timeout = resolve_timeout.total_seconds()
         server = _C.Server(
-            host,
+            resolve_host(host, resolve_timeout),
             port,
             backlog=backlog,
             max_connections=max_connections,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, Union
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _keepalive
 from .errors import QueueEmptyError, StoreError
 
 if TYPE_CHECKING:
@@ -46,33 +46,23 @@ class WatchEvent:
     version: int
 
 
-# Keep-alive. torch holds a store through a C++ ``c10::intrusive_ptr<Store>`` whose count Python
-# does not see: ``init_process_group(store=Store(...))`` wraps the store in a C++ ``PrefixStore``
-# and the caller's temporary is dropped. pybind11 then deallocates the Python half (its instance
-# and ``__dict__``) while the C++ trampoline (torch's ``PythonStore``) lives on; a later C++ call
-# (``new_group`` -> ``ProcessGroupGloo`` -> ``store->set``) finds no Python override and fails with
-# "INTERNAL ASSERT FAILED ... init.cpp ... Not implemented" (pytorch/pytorch#106633, still so in
-# torch 2.13: ``Store`` uses an intrusive_ptr holder, so pybind11's smart_holder
-# trampoline-self-life-support does not apply). torch gives no signal of when C++ lets go.
-#
-# The fix: when the last Python reference to an open store goes, ``__del__`` resurrects it
-# (PEP 442: a finalizer runs once and may resurrect; CPython then skips the dealloc, so pybind11
-# keeps the instance registered and C++ calls keep reaching these methods) by parking it in
-# ``_PARKED``. Parking closes its connection (no socket or server session is held by a store that
-# Python dropped, exactly as if it had been freed; session-bound keys go, as they would); the next
-# call, if C++ makes one, reconnects. What stays behind is this small object (and a server it
-# hosts, see ``init_method``) until ``close()`` or exit: the least that keeps torch's calls working.
-# (set.add/discard are atomic under the GIL: no lock, so a finalizer run by the cyclic GC at any
-# allocation can never deadlock on one.)
-_PARKED: set[dist.Store] = set()  # elasticstore.Store and EtcdStore
+# Keep-alive (see _keepalive.py): a store dropped by Python while torch's C++ side still holds it
+# parks itself in ``_PARKED`` (its connection closed; the next C++ call reconnects) and is
+# released once C++ lets it go; a store nothing else holds is freed. ``EtcdStore`` uses the same.
+_PARKED = _keepalive.PARKED
+_park = _keepalive.park
 
 
 class Store(dist.Store):
     """A ``torch.distributed.Store`` backed by an elasticstore server.
 
-    ``timeout`` applies to ``get``, ``wait``, ``multi_get`` and the other blocking calls when they
-    are not given one; ``connect_timeout`` (default: ``timeout``) bounds connecting, retried with
-    backoff. Keys and values may be ``str`` or ``bytes``; values come back as ``bytes``. Timeouts
+    ``timeout`` bounds every call: the blocking ones (``get``, ``wait``, ``multi_get``, ...) wait
+    that long server-side when not given a timeout, and the others (``set``, ``add``, ``check``,
+    ...) raise :class:`~elasticstore.StoreNetworkError`, naming the operation and its keys, when
+    the server does not answer within it (reconnecting included). ``connect_timeout`` (default:
+    ``timeout``) bounds connecting, retried with backoff. ``host`` is a numeric address or a name
+    (resolved forward, within the timeout). A store used after ``fork()`` makes its own connection
+    in the child (the parent's is left untouched). Keys and values may be ``str`` or ``bytes``; values come back as ``bytes``. Timeouts
     raise :class:`~elasticstore.StoreTimeoutError` (a ``DistStoreError``) and leave the store
     usable; lost connections raise :class:`~elasticstore.StoreNetworkError`.
     """
@@ -111,6 +101,7 @@ class Store(dist.Store):
             self._host,
             self._port,
             connect_timeout=budget.total_seconds(),
+            timeout=_seconds(self.timeout),
             client_name=self._client_name,
         )
 
@@ -146,11 +137,29 @@ class Store(dist.Store):
             if self._closed:
                 return
             client, self._client = self._client, None
-            _PARKED.add(self)  # resurrects self: torch's C++ side may still call it
+            if _park(self):  # resurrects self: torch's C++ side may still call it
+                if client is not None:
+                    client.close()
+                return
+            self._closed = True  # nothing else holds it: freed now
+            server, self._server = self._server, None
             if client is not None:
                 client.close()
+            if server is not None:
+                server.close()
         except Exception:  # interpreter shutdown: module globals may be gone
             pass
+
+    def _release_parked(self) -> None:
+        """Called once torch's C++ side let a parked store go (``_keepalive.sweep``): closes its
+        connection and a server it hosts. No lock: it may run inside a garbage collection."""
+        self._closed = True
+        client, self._client = self._client, None
+        server, self._server = self._server, None
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
 
     def __enter__(self) -> Store:
         return self
@@ -182,6 +191,9 @@ class Store(dist.Store):
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a timedelta, got {type(timeout).__name__}")
         super().set_timeout(timeout)
+        client = self._client
+        if client is not None:  # the bound of calls that do not block server-side
+            client.timeout = _seconds(timeout)
 
     # ``timeout`` (a property) is inherited: it reads the C++ Store's member, which torch's C++
     # side may also set (``PrefixStore::setTimeout`` sets the wrapped store's, bypassing Python).

@@ -1,8 +1,10 @@
 // elasticstore::Client against an in-process elasticstore::Server on loopback, and against a
 // scripted fake server for the failure paths a real server does not produce.
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -350,8 +352,36 @@ TEST(connect_failure_names_endpoint) {
   CHECK(dt >= 0.29 && dt < 1.5);
   CHECK(contains(msg, "127.0.0.1:" + std::to_string(port)));
   CHECK(contains(msg, "Connection refused"));
+  // A name nobody answers for fails within the connect timeout (the lookup runs on a thread;
+  // this machine's resolver never answers for it), naming the host.
+  t0 = Clock::now();
   msg = expect_throw<NetworkError>([&] { Client c("no-such-host.invalid", port, o); });
-  CHECK(contains(msg, "resolve"));
+  CHECK(elapsed_s(t0) < 1.0);
+  CHECK(contains(msg, "cannot resolve \"no-such-host.invalid\""));
+}
+
+// Names resolve forward (getaddrinfo; never a reverse lookup): localhost, and this machine's own
+// name when it maps to a loopback address (as MASTER_ADDR=$(hostname) does in torch jobs).
+TEST(host_names_are_resolved) {
+  auto server = make_server();
+  Client c("localhost", server->port(), quick_options());
+  c.set("by-name", "1");
+  CHECK(c.check({"by-name"}));
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(name, nullptr, &hints, &res) == 0) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(res->ai_addr);
+    const bool loopback = ntohl(in->sin_addr.s_addr) == INADDR_LOOPBACK;
+    ::freeaddrinfo(res);
+    if (loopback) {  // the server listens on 127.0.0.1 only
+      Client h(name, server->port(), quick_options());
+      CHECK(h.check({"by-name"}));
+    }
+  }
 }
 
 TEST(connect_retries_until_server_appears) {
@@ -404,7 +434,10 @@ TEST(reconnect_after_server_restart) {
   server->stop();
   server.reset();
   server = make_server(port);
-  // The next call notices the closed idle connection and reconnects before sending.
+  // The next call on a connection idle for longer than kIdleCheck (100 ms) notices that it was
+  // closed and reconnects before sending. (Within 100 ms of the last reply the peek is skipped:
+  // that call would fail with NetworkError, never sending twice.)
+  std::this_thread::sleep_for(milliseconds(150));
   c.set("after", "2");
   CHECK(c.connected());
   CHECK(c.session_id() != 0);
@@ -419,6 +452,7 @@ TEST(reconnect_gives_up_after_reconnect_timeout) {
   Client c("127.0.0.1", server->port(), o);
   c.ping();
   server->stop();
+  std::this_thread::sleep_for(milliseconds(150));  // idle for longer than kIdleCheck
   auto t0 = Clock::now();
   std::string msg = expect_throw<NetworkError>([&] { c.ping(); });
   const double dt = elapsed_s(t0);
@@ -593,6 +627,84 @@ TEST(client_deadline_when_server_is_silent) {
   CHECK(contains(msg, "no reply to SET"));
   CHECK(contains(msg, "127.0.0.1:" + std::to_string(fake.port())));
   CHECK(!c.connected());
+}
+
+// The bound of every call follows set_op_timeout() (the Python Store's timeout), and the error
+// names the operation and its key(s).
+TEST(op_timeout_bounds_calls_and_names_their_keys) {
+  FakeServer fake([](int, uint8_t, uint32_t) { return true; });  // reads, never answers
+  Client c("127.0.0.1", fake.port(), quick_options());
+  CHECK(c.op_timeout() == milliseconds(300'000));
+  c.set_op_timeout(milliseconds(400));
+  auto t0 = Clock::now();
+  std::string msg = expect_throw<NetworkError>([&] { c.add("counter", 1); });
+  const double dt = elapsed_s(t0);
+  CHECK(dt >= 0.39 && dt < 1.2);
+  CHECK(contains(msg, "add \"counter\": "));
+  CHECK(contains(msg, "no reply to ADD"));
+}
+
+TEST(op_timeout_bounds_the_reconnect) {
+  FakeServer fake([](int, uint8_t, uint32_t) { return true; });
+  ClientOptions o = quick_options();
+  o.op_timeout = milliseconds(300);
+  Client c("127.0.0.1", fake.port(), o);
+  expect_throw<NetworkError>([&] { c.set("k", "v"); });  // no reply: the connection is closed
+  // The fake server accepts no second connection (it stays in the backlog, no HELLO reply):
+  // reconnecting is bounded by the call's 300 ms, not by reconnect_timeout (30 s).
+  auto t0 = Clock::now();
+  std::string msg = expect_throw<NetworkError>([&] { c.check({"a", "b"}); });
+  CHECK(elapsed_s(t0) < 1.5);
+  CHECK(contains(msg, "check [\"a\", \"b\"]: "));
+}
+
+// fork(): the child drops the inherited socket (closes it without sending or shutdown) and makes
+// its own connection; parent and child then never read each other's replies, and the parent's
+// session (its ephemeral keys) survives the child.
+TEST(fork_child_gets_its_own_connection) {
+  auto server = make_server();
+  Client c("127.0.0.1", server->port(), quick_options());
+  c.set("eph", "parent", /*ephemeral=*/true);
+  const uint64_t session = c.session_id();
+  constexpr int kCalls = 300;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int bad = 0;
+    try {
+      for (int i = 0; i < kCalls; ++i) {
+        if (c.add("child/n", 1) != i + 1) ++bad;
+        const std::string v = "c" + std::to_string(i);
+        c.set("child/v", v);
+        if (c.get("child/v", milliseconds(1000)) != v) ++bad;
+      }
+      if (c.session_id() == session) ++bad;
+      c.close();  // must not wake or disturb the parent's calls
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child: %s\n", e.what());
+      ++bad;
+    }
+    ::_exit(bad == 0 ? 0 : 1);
+  }
+  CHECK(pid > 0);
+  int bad = 0;
+  try {
+    for (int i = 0; i < kCalls; ++i) {
+      if (c.add("parent/n", 1) != i + 1) ++bad;
+      const std::string v = "p" + std::to_string(i);
+      c.set("parent/v", v);
+      if (c.get("parent/v", milliseconds(1000)) != v) ++bad;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "parent: %s\n", e.what());
+    ++bad;
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  CHECK_EQ(bad, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_EQ(c.session_id(), session);  // the parent kept its connection
+  CHECK_EQ(c.get("eph", milliseconds(0)), std::string("parent"));
+  CHECK_EQ(c.get("child/n", milliseconds(0)), std::to_string(kCalls));
 }
 
 TEST(blocking_request_deadline_is_timeout_plus_slack) {
