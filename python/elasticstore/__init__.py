@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _C
-from .errors import StoreError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
+from .errors import (
+    AmbiguousOutcomeError,
+    QueueEmptyError,
+    StoreError,
+    StoreNetworkError,
+    StoreTimeoutError,
+    WatchCompactedError,
+)
 from .init_method import register as _register_init_method
 from .server import ServerConfig, StoreServer
 from .store import Store, WatchEvent
@@ -19,6 +26,8 @@ if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported o
     from .etcd_store import EtcdStore
 
 __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never needs etcd3
+    "AmbiguousOutcomeError",
+    "QueueEmptyError",
     "ServerConfig",
     "Store",
     "StoreError",

@@ -35,7 +35,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from ._etcd_client import Connection, LeaseKeeper, remaining, retriable
-from .errors import StoreError, StoreTimeoutError, WatchCompactedError
+from .errors import AmbiguousOutcomeError, StoreError, StoreTimeoutError, WatchCompactedError
 
 Key = Union[str, bytes]
 Value = Union[str, bytes]
@@ -68,12 +68,6 @@ def _deadline(timeout: Timeout) -> float | None:
 
 
 _MARKER_START = b"0"  # a marker on a new lease (operations write "{seq}.{attempt}", seq >= 1)
-
-
-class AmbiguousOutcomeError(StoreError):
-    """A mutation may or may not have applied: a request got no reply and the lease holding
-    the operation marker (which would tell) ended before the retry. Read the key to find out;
-    the store stays usable (a new lease is granted on the next call)."""
 
 
 class _Reread(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 __all__ = [
+    "AmbiguousOutcomeError",
     "QueueEmptyError",
     "StoreError",
     "StoreNetworkError",
@@ -47,6 +48,12 @@ class WatchCompactedError(StoreError):
 
     def __reduce__(self) -> tuple[type[WatchCompactedError], tuple[str, int]]:
         return (type(self), (str(self), self.oldest_revision))
+
+
+class AmbiguousOutcomeError(StoreError):
+    """A mutation may or may not have applied: a request got no reply and the lease holding
+    the operation marker (which would tell) ended before the retry. Read the key to find out;
+    the store stays usable (a new lease is granted on the next call)."""
 
 
 def _queue_empty_error() -> type[dist.DistStoreError]:

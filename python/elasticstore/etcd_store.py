@@ -53,7 +53,7 @@ from ._etcd_txn import (
     _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end, _Reread,
 )
 from .errors import StoreError, StoreTimeoutError, WatchCompactedError
-from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent
+from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent, _park
 
 __all__ = ["AmbiguousOutcomeError", "EtcdStore"]
 
@@ -167,7 +167,8 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
             if self._closed:
                 return
             session, self._session = self._session, None
-            _PARKED.add(self)  # resurrects self: torch's C++ side may still call it (see store.py)
+            if not _park(self):  # parked only while torch's C++ side holds it (see store.py)
+                self._closed = True  # nothing else holds it: freed now
             if session is not None:
                 session[1].stop(wait=False)  # its thread revokes the lease; channels close later
         except Exception:  # interpreter shutdown: module globals may be gone
