@@ -126,7 +126,8 @@ def load_checkpoint(
         try:
             return _load_file(path, step, map_location, weights_only)
         except Exception as err:  # noqa: BLE001 - any failure to load means "not usable"
-            warnings.warn(f"skipping checkpoint {path}: {type(err).__name__}: {err}",
+            reason = (str(err).strip().splitlines() or [""])[0]
+            warnings.warn(f"skipping checkpoint {path}: {type(err).__name__}: {reason}",
                           RuntimeWarning, stacklevel=2)
     return None
 
