@@ -37,6 +37,8 @@ def run_ranks(size: int, world: int, **kwargs: Any) -> list[list[int]]:
     return [list(ElasticDistributedSampler(range(size), world, r, **kwargs)) for r in range(world)]
 
 
+# (size, W, W', s, drop_last, shuffle, seed, epoch)
+Case = tuple[int, int, int, int, bool, bool, int, int]
 cases = st.integers(min_value=1, max_value=120).flatmap(
     lambda size: st.tuples(
         st.just(size),
@@ -53,7 +55,7 @@ cases = st.integers(min_value=1, max_value=120).flatmap(
 
 @settings(max_examples=300, deadline=None)
 @given(cases)
-def test_rank_r_of_w_yields_order_from_start(case: tuple[int, ...]) -> None:
+def test_rank_r_of_w_yields_order_from_start(case: Case) -> None:
     size, world, _, start, drop_last, shuffle, seed, epoch = case
     samplers = [
         ElasticDistributedSampler(range(size), world, r, shuffle=shuffle, seed=seed,
@@ -75,7 +77,7 @@ def test_rank_r_of_w_yields_order_from_start(case: tuple[int, ...]) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(cases, st.integers(min_value=1, max_value=7))
-def test_resume_at_another_world_size_is_exact(case: tuple[int, ...], batch: int) -> None:
+def test_resume_at_another_world_size_is_exact(case: Case, batch: int) -> None:
     """W ranks run some steps and save; W' ranks resume from that state: every sample of the
     epoch is seen exactly once, beyond the padding DistributedSampler adds at the end."""
     size, world, world2, _, drop_last, shuffle, seed, epoch = case
@@ -117,8 +119,9 @@ def test_start_zero_is_distributed_sampler(size: int, world: int, drop_last: boo
     for r in range(world):
         ours = ElasticDistributedSampler(range(size), world, r, shuffle=shuffle, seed=7,
                                          drop_last=drop_last)
-        theirs = DistributedSampler(range(size), world, r, shuffle=shuffle, seed=7,  # type: ignore[arg-type]
-                                    drop_last=drop_last)
+        theirs: DistributedSampler[int] = DistributedSampler(
+            range(size), world, r, shuffle=shuffle, seed=7, drop_last=drop_last  # type: ignore[arg-type]
+        )
         ours.set_epoch(epoch)
         theirs.set_epoch(epoch)
         assert list(ours) == list(theirs)
