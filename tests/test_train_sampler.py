@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
@@ -246,3 +247,43 @@ def test_stateful_dataloader_resumes_exactly_at_another_world_size() -> None:
         assert sampler.epoch == 4
     assert len(seen) == world * 5 * batch
     assert Counter(seen + rest) == Counter(range(size))
+
+
+def test_stateful_dataloader_without_workers_across_epochs() -> None:
+    """In-process loading: the loader's state taken mid-way through the second epoch resumes
+    there, and the epoch after starts from 0."""
+    tdl = pytest.importorskip("torchdata.stateful_dataloader")
+    size, batch = 40, 4
+
+    def make() -> tuple[ElasticDistributedSampler, Any]:
+        sampler = ElasticDistributedSampler(Indexed(size), 2, 0, seed=2)
+        return sampler, tdl.StatefulDataLoader(Indexed(size), batch_size=batch, sampler=sampler)
+
+    sampler, loader = make()
+    sampler.set_epoch(0)
+    assert sum(len(got) for got in loader) == size // 2
+    sampler.set_epoch(1)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    tail = [got.tolist() for got in it]
+    assert [i for b in head + tail for i in b] == sampler.global_order(1)[0::2]
+
+    sampler2, loader2 = make()
+    loader2.load_state_dict(state)
+    assert [got.tolist() for got in loader2] == tail
+    assert sampler2.epoch == 1
+    sampler2.set_epoch(2)
+    assert [i for got in loader2 for i in got.tolist()] == sampler2.global_order(2)[0::2]
+
+
+def test_world_from_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        s = ElasticDistributedSampler(range(7))  # the group wins over the environment
+        assert (s.rank, s.num_replicas) == (0, 1)
+        assert list(s) == s.global_order()
+    finally:
+        dist.destroy_process_group()
