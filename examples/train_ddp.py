@@ -31,7 +31,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elasticstore.train import ElasticDistributedSampler, load_checkpoint_from_any_rank, save_checkpoint
+from elasticstore.train import (
+    ElasticDistributedSampler,
+    load_checkpoint_from_any_rank,
+    save_checkpoint,
+)
 
 
 class SyntheticRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -167,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.checkpoint_every == 0:
                 flush(epoch)
                 if saver:
-                    save_checkpoint(args.checkpoint_dir, {
+                    state = {
                         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "sampler": sampler.state_dict(), "epoch_stats": epoch_stats, "last_loss": last_loss,
-                    }, step, keep=args.keep)
+                        "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
+                        "last_loss": last_loss,
+                    }
+                    save_checkpoint(args.checkpoint_dir, state, step, keep=args.keep)
         flush(epoch)
 
     final = last_loss.clone()

@@ -117,7 +117,8 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 import elasticstore
 from elasticstore.train import load_checkpoint_from_any_rank, save_checkpoint
-host, port, rank, directory, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+host, port, rank, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+steps = json.loads(sys.argv[5])
 store = elasticstore.Store(host, port, timeout=timedelta(seconds=60))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 results = []
@@ -125,7 +126,8 @@ for phase in steps:  # each phase: the steps this rank writes, then a collective
     for step in phase:
         save_checkpoint(directory, {"w": torch.full((5,), float(step)), "by": rank}, step, keep=5)
     ckpt = load_checkpoint_from_any_rank(directory)
-    results.append(None if ckpt is None else [ckpt.step, ckpt.state["w"].tolist(), ckpt.state["by"]])
+    got = None if ckpt is None else [ckpt.step, ckpt.state["w"].tolist(), ckpt.state["by"]]
+    results.append(got)
 dist.destroy_process_group()
 print(json.dumps(results), flush=True)
 """

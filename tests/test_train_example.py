@@ -38,7 +38,9 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def torchrun(tmp: Path, name: str, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    tmp: Path, name: str, *extra: str, restarts: int = 0
+) -> subprocess.CompletedProcess[str]:
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "--max-restarts", str(restarts), str(EXAMPLE), *COMMON,
                 "--checkpoint-dir", str(tmp / name), "--summary", str(tmp / f"{name}.json"),

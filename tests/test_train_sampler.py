@@ -121,7 +121,8 @@ def test_start_zero_is_distributed_sampler(size: int, world: int, drop_last: boo
         ours = ElasticDistributedSampler(range(size), world, r, shuffle=shuffle, seed=7,
                                          drop_last=drop_last)
         theirs: DistributedSampler[int] = DistributedSampler(
-            range(size), world, r, shuffle=shuffle, seed=7, drop_last=drop_last  # type: ignore[arg-type]
+            range(size), world, r,  # type: ignore[arg-type]
+            shuffle=shuffle, seed=7, drop_last=drop_last,
         )
         ours.set_epoch(epoch)
         theirs.set_epoch(epoch)

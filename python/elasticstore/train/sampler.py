@@ -1,27 +1,4 @@
-"""ElasticDistributedSampler: a DistributedSampler that resumes exactly at any world size.
-
-Contract. For a given ``seed`` and epoch the global order is one fixed permutation of the dataset
-(``torch.randperm(len(dataset))`` seeded with ``seed + epoch``, as ``DistributedSampler`` draws it;
-``range(len(dataset))`` without ``shuffle``), the same for every world size. Rank ``r`` of ``W``
-starting at global position ``s`` yields ``order[s + r :: W]``, padded (by repeating ``order[s:]``
-from its start) to ``ceil((N - s) / W)`` samples, or cut to ``(N - s) // W`` with ``drop_last``,
-exactly as ``DistributedSampler`` pads or cuts the whole order. With ``s = 0`` it yields what
-``DistributedSampler`` yields. Resuming with ``s`` = the samples consumed globally so far in the
-epoch is therefore exact at any world size: no sample seen twice, none skipped (beyond the padding
-of the last step, which ``DistributedSampler`` adds too).
-
-State. ``state_dict()`` holds the epoch and the samples consumed globally, counted from what the
-training loop *finished*: the loop calls ``sampler.advance(n)`` after each step with the number of
-samples this rank finished (its batch size). A ``DataLoader`` with workers pulls indices from the
-sampler ahead of the loop (``prefetch_factor * num_workers`` batches), so counting what the sampler
-handed out would skip the prefetched batches on resume; ``advance`` counts what the loop used.
-Every rank finishes the same number of samples per step, so ``start + W * finished`` is the global
-count, and any rank's ``state_dict()`` is the job's.
-
-The iterator returned by ``iter(sampler)`` is itself stateful (``state_dict``/``load_state_dict``,
-counting what it handed out): torchdata's ``StatefulDataLoader`` snapshots it at the batch the loop
-received, so with that loader ``loader.state_dict()`` is right without ``advance``.
-"""
+"""ElasticDistributedSampler: a DistributedSampler that resumes exactly at any world size."""
 
 from __future__ import annotations
 
@@ -63,11 +40,35 @@ def _world_from_env(num_replicas: int | None, rank: int | None) -> tuple[int, in
 
 
 class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
-    """A ``DistributedSampler`` whose order does not depend on the world size (see the module doc).
+    """A ``DistributedSampler`` whose order does not depend on the world size.
 
-    ``start_index`` (the samples consumed globally so far) applies to the epoch current at the
-    first ``iter(sampler)`` (or, after ``load_state_dict``, to the saved epoch); any other epoch
-    starts at 0. ``set_epoch`` changes the epoch only, as ``DistributedSampler``'s does.
+    Contract. For a given ``seed`` and epoch the global order is one fixed permutation of the
+    dataset (``torch.randperm(len(dataset))`` seeded with ``seed + epoch``, as
+    ``DistributedSampler`` draws it; ``range(len(dataset))`` without ``shuffle``), the same for
+    every world size. Rank ``r`` of ``W`` starting at global position ``s`` yields
+    ``order[s + r :: W]``, padded (by repeating ``order[s:]`` from its start) to
+    ``ceil((N - s) / W)`` samples, or cut to ``(N - s) // W`` with ``drop_last``, exactly as
+    ``DistributedSampler`` pads or cuts the whole order. With ``s = 0`` it yields what
+    ``DistributedSampler`` yields. Resuming with ``s`` = the samples consumed globally so far in the
+    epoch is therefore exact at any world size: no sample seen twice, none skipped (beyond the
+    padding of the last step, which ``DistributedSampler`` adds too).
+
+    State. ``state_dict()`` holds the epoch and the samples consumed globally, counted from what the
+    training loop *finished*: the loop calls ``sampler.advance(n)`` after each step with the number
+    of samples this rank finished (its batch size). A ``DataLoader`` with workers pulls indices from
+    the sampler ahead of the loop (``prefetch_factor * num_workers`` batches), so counting what the
+    sampler handed out would skip the prefetched batches on resume; ``advance`` counts what the loop
+    used. Every rank finishes the same number of samples per step, so ``start + W * finished`` is
+    the global count, and any rank's ``state_dict()`` is the job's.
+
+    The iterator returned by ``iter(sampler)`` is itself stateful
+    (``state_dict``/``load_state_dict``, counting what it handed out): torchdata's
+    ``StatefulDataLoader`` snapshots it at the batch the loop received, so with that loader
+    ``loader.state_dict()`` is right without ``advance``.
+
+    ``start_index`` (the samples consumed globally so far) applies to the epoch current at the first
+    ``iter(sampler)`` (or, after ``load_state_dict``, to the saved epoch); any other epoch starts at
+    0. ``set_epoch`` changes the epoch only, as ``DistributedSampler``'s does.
 
     Typical loop::
 
@@ -98,7 +99,9 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
             raise ValueError(f"rank must be in [0, {world}), not {own}")
         size = len(dataset)
         if not 0 <= start_index <= size:
-            raise ValueError(f"start_index must be in [0, {size}] (the dataset size), not {start_index}")
+            raise ValueError(
+                f"start_index must be in [0, {size}] (the dataset size), not {start_index}"
+            )
         super().__init__(dataset, world, own, shuffle, seed, drop_last)  # type: ignore[arg-type]
         self.dataset_size = size
         self._start_index = start_index
@@ -203,7 +206,9 @@ class ElasticDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
                 )
         consumed = int(state["samples_consumed"])
         if not 0 <= consumed <= self.dataset_size:
-            raise ValueError(f"state's samples_consumed {consumed} is not in [0, {self.dataset_size}]")
+            raise ValueError(
+                f"state's samples_consumed {consumed} is not in [0, {self.dataset_size}]"
+            )
         self.epoch = int(state["epoch"])
         self._start_index, self._start_epoch = consumed, self.epoch
         self._pass_epoch = None
