@@ -81,9 +81,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def init_group() -> None:
+def init_group(restart: int) -> None:
+    timeout = timedelta(seconds=60)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher's env:// variables
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun (2.13, agent store) gives every restart the same store with no prefix of its
+        # own: without one, a restarted rank can read the previous round's gloo addresses and
+        # fail to connect ("Connection refused") or hang.
+        store = dist.PrefixStore(f"train_ddp/restart_{restart}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     else:  # one process, no launcher
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
@@ -98,10 +104,10 @@ def weights_sha256(model: nn.Module) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    init_group()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_group(restart)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     saver = local_rank == 0 if args.node_local else rank == 0
 
     dataset = SyntheticRegression(args.dataset_size, args.dim, args.seed)
