@@ -21,7 +21,7 @@ COMMON = ["--epochs", str(EPOCHS), "--dataset-size", str(SIZE), "--batch-size", 
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Runs ``cmd`` in a session of its own; on timeout the whole session is killed."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -58,6 +58,7 @@ def assert_each_sample_once_per_epoch(stats: dict[str, list[float]]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two launcher runs of ~10 s each; far more on an overloaded machine
 def test_worker_failure_under_torchrun_ends_with_the_same_weights(tmp_path: Path) -> None:
     clean = summary(tmp_path, "clean", torchrun(tmp_path, "clean"))
     result = torchrun(tmp_path, "failed", "--fail-at-step", "27", "--fail-rank", "1", restarts=1)
@@ -73,6 +74,7 @@ def test_worker_failure_under_torchrun_ends_with_the_same_weights(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_resume_at_another_world_size_sees_each_sample_once(tmp_path: Path) -> None:
     """Two ranks until one fails (no restart), then one process resumes from the checkpoint."""
     result = torchrun(tmp_path, "job", "--fail-at-step", "27", "--fail-rank", "1")
