@@ -147,7 +147,7 @@ def test_node_local_resume_over_gloo(tmp_path: Path) -> None:
             for rank in (0, 1)
         ]
         try:
-            outputs = [proc.communicate(timeout=90) for proc in procs]
+            outputs = [proc.communicate(timeout=180) for proc in procs]
         finally:
             for proc in procs:
                 if proc.poll() is None:
