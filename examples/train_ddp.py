@@ -1,0 +1,215 @@
+"""DDP on CPU (gloo) with the elastic sampler and atomic checkpoints, on synthetic data.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --summary /tmp/run.json
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp.py \\
+        --fail-at-step 25 --fail-rank 1          # one rank fails once; the group resumes
+    python examples/train_ddp.py                 # one process, no launcher
+
+Reads the launcher's environment only (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT,
+TORCHELASTIC_RESTART_COUNT), so it runs unchanged under torchrun and elasticstore-run. Everything
+is a function of --seed: a run interrupted and resumed from its checkpoints ends with the same
+weights as an uninterrupted one at the same world size (the sampler replays the same order from
+the checkpoint's position; the model and optimizer state come from the checkpoint; nothing else
+draws random numbers). With --summary, rank 0 writes a JSON summary (final loss, a SHA-256 of the
+final weights, per-epoch sample counts and index sums) for comparing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from elasticstore.train import (
+    ElasticDistributedSampler,
+    load_checkpoint_from_any_rank,
+    save_checkpoint,
+)
+
+
+class SyntheticRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """``size`` samples ``(index, x, y)`` with y a fixed noisy nonlinear function of x."""
+
+    def __init__(self, size: int, dim: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, dim, generator=g)
+        w = torch.randn(dim, 1, generator=g)
+        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(size, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--dataset-size", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument("--checkpoint-dir", default="checkpoints/train_ddp")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--node-local", action="store_true",
+                   help="checkpoint directories are per node: local rank 0 of every node saves")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--fail-at-step", type=int, default=-1,
+                   help="make --fail-rank exit when it reaches this step (first attempt only)")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary here")
+    args = p.parse_args(argv)
+    for name in ("epochs", "dataset_size", "batch_size", "checkpoint_every", "log_every", "keep"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    return args
+
+
+def init_group(restart: int) -> None:
+    timeout = timedelta(seconds=60)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a launcher's env:// variables
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun (2.13, agent store) gives every restart the same store with no prefix of its
+        # own: without one, a restarted rank can read the previous round's gloo addresses and
+        # fail to connect ("Connection refused") or hang.
+        store = dist.PrefixStore(f"train_ddp/restart_{restart}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    else:  # one process, no launcher
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def weights_sha256(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_group(restart)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    saver = local_rank == 0 if args.node_local else rank == 0
+
+    dataset = SyntheticRegression(args.dataset_size, args.dim, args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = ElasticDistributedSampler(dataset, seed=args.seed)
+    step = 0
+    last_loss = torch.zeros(1)  # this rank's loss of its latest step
+    # Per epoch, over every rank: samples trained on, sum of their indices, sum of squares.
+    epoch_stats: dict[str, list[float]] = {}
+
+    ckpt = load_checkpoint_from_any_rank(args.checkpoint_dir)
+    if ckpt is not None:
+        model.load_state_dict(ckpt.state["model"])
+        optimizer.load_state_dict(ckpt.state["optimizer"])
+        sampler.load_state_dict(ckpt.state["sampler"])
+        epoch_stats = ckpt.state["epoch_stats"]
+        last_loss = ckpt.state["last_loss"]
+        step = ckpt.step
+        if rank == 0:
+            print(f"resumed from step {step} (epoch {sampler.epoch}, "
+                  f"{sampler.samples_consumed} samples consumed) at world size {world}", flush=True)
+    ddp = DistributedDataParallel(model)
+    loss_fn = nn.MSELoss()
+    pending = torch.zeros(3, dtype=torch.float64)  # this rank's stats since the last flush
+
+    def flush(epoch: int) -> None:
+        dist.all_reduce(pending)
+        totals = epoch_stats.setdefault(str(epoch), [0.0, 0.0, 0.0])
+        for i in range(3):
+            totals[i] += float(pending[i])
+        pending.zero_()
+
+    started = time.monotonic()
+    mark, mark_step = started, step
+    samples_this_run = 0
+    for epoch in range(sampler.epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                            num_workers=args.workers)
+        for index, x, y in loader:
+            if step + 1 == args.fail_at_step and rank == args.fail_rank and restart == 0:
+                print(f"rank {rank}: failing on purpose at step {step + 1}", file=sys.stderr,
+                      flush=True)
+                os._exit(3)
+            optimizer.zero_grad()
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            sampler.advance(len(index))
+            step += 1
+            samples_this_run += len(index) * world
+            idx = index.to(torch.float64)
+            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
+                                    idx.sum(), (idx * idx).sum()])
+            last_loss = loss.detach().reshape(1)
+            if step % args.log_every == 0:
+                avg = last_loss.clone()
+                dist.all_reduce(avg)
+                if rank == 0:
+                    now = time.monotonic()
+                    rate = (step - mark_step) * args.batch_size * world / max(now - mark, 1e-9)
+                    mark, mark_step = now, step
+                    print(f"epoch {epoch} step {step} loss {avg.item() / world:.6f} "
+                          f"samples/s {rate:.0f} world {world} restart {restart}", flush=True)
+            if step % args.checkpoint_every == 0:
+                flush(epoch)
+                if saver:
+                    state = {
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
+                        "last_loss": last_loss,
+                    }
+                    save_checkpoint(args.checkpoint_dir, state, step, keep=args.keep)
+        flush(epoch)
+
+    final = last_loss.clone()
+    dist.all_reduce(final)
+    elapsed = time.monotonic() - started
+    if rank == 0:
+        summary: dict[str, Any] = {
+            "final_loss": final.item() / world,
+            "weights_sha256": weights_sha256(model),
+            "steps": step,
+            "world_size": world,
+            "restart_count": restart,
+            "epoch_stats": epoch_stats,
+            "elapsed_s": elapsed,
+            "samples_per_s": samples_this_run / max(elapsed, 1e-9),
+        }
+        print(f"done: {step} steps, final loss {summary['final_loss']:.6f}, "
+              f"weights {summary['weights_sha256'][:16]}, {summary['samples_per_s']:.0f} samples/s",
+              flush=True)
+        if args.summary:
+            tmp = f"{args.summary}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(summary, f, indent=1)
+            os.replace(tmp, args.summary)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""What a training script touches: an elastic sampler and atomic checkpoints.
+
+``ElasticDistributedSampler`` orders each epoch the same at every world size, so a job that
+resumes at another size (``state_dict``/``load_state_dict``) sees every sample once.
+``save_checkpoint``/``load_checkpoint`` write and read checkpoints atomically;
+``load_checkpoint_from_any_rank`` resumes from node-local directories. Nothing here imports the
+agent or the rendezvous: it runs unchanged under ``torchrun``. See ``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import (
+    Checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_checkpoint_from_any_rank,
+    save_checkpoint,
+)
+from .sampler import ElasticDistributedSampler
+
+__all__ = [
+    "Checkpoint",
+    "ElasticDistributedSampler",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_checkpoint_from_any_rank",
+    "save_checkpoint",
+]
