@@ -88,10 +88,12 @@ def decide(view: View, min_nodes: int, max_nodes: int, last_call: float) -> Acti
     expected = {n for n in prev.participants if n in view.alive} if prev else set()
     missing = expected - view.joined
     count = len(view.joined)
-    if count < min_nodes or view.min_since is None:
+    if missing or count < min_nodes or view.min_since is None:
+        # Live participants of the previous round were told to come back: wait for them (a
+        # dead one's liveness key vanishes and it stops being expected; join_timeout bounds it).
         return Wait(None)
     last_call_at = view.min_since + last_call
-    if (count >= max_nodes and not missing) or view.now >= last_call_at:
+    if count >= max_nodes or view.now >= last_call_at:
         order = order_nodes(view.joined, prev)
         return Complete(
             RoundState(view.target, tuple(order[:max_nodes]), tuple(order[max_nodes:]))

@@ -152,5 +152,10 @@ class RingWatcher:
                 pass
 
     def stop(self) -> None:
+        """Stops at once: closing the connection ends the blocked watch."""
         self._stop.set()
-        self._thread.join(timeout=2.0)
+        try:
+            self._b.close()
+        except Exception:
+            pass
+        self._thread.join(timeout=1.0)
