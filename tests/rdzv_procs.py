@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -98,6 +99,7 @@ class Agents:
         return agent
 
     def start_together(self, addrs: list[str], per: dict[str, dict[str, Any]] | None = None,
+                       before_go: Callable[[], None] | None = None,
                        **overrides: Any) -> list[Agent]:
         """Starts agents that all begin the rendezvous once every one of them is ready (their
         torch imports take seconds), so they meet in the same first round."""
@@ -105,6 +107,8 @@ class Agents:
         started = [self.start(a, **{"gate": True, **overrides, **per.get(a, {})}) for a in addrs]
         for agent in started:
             agent.expect("ready", 60)
+        if before_go is not None:
+            before_go()
         for agent in started:
             assert agent.proc.stdin is not None
             agent.proc.stdin.write("go\n")
