@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,3 +37,23 @@ def agents() -> Iterator[Callable[..., Agents]]:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])
 def test_native(agents: Callable[..., Agents], scenario: Callable[..., None]) -> None:
     scenario(agents)
+
+
+def test_lost_rendezvous_server_fails_every_agent_naming_it() -> None:
+    server = elasticstore.StoreServer("127.0.0.1", 0)
+    try:
+        with Agents(backend="elasticstore", endpoint=server.address, run_id="job", min=2, max=2,
+                    conf=FAST) as group:
+            nodes = group.start_together(["127.0.0.2", "127.0.0.3"], rounds=2)
+            for a in nodes:
+                a.expect("round")
+            lost_at = time.time()
+            server.close()
+            for a in nodes:
+                err = a.expect("error", 15)
+                assert err["type"] == "RendezvousConnectionError", err
+                assert server.address in err["msg"]
+                print(f"rendezvous server lost -> agent error: {err['t'] - lost_at:.2f}s")
+                assert err["t"] - lost_at < 10
+    finally:
+        server.close()

@@ -82,6 +82,24 @@ def test_two_nodes_run_to_completion(tmp_path: Path) -> None:
         stop(procs)
 
 
+def test_two_nodes_on_etcd(tmp_path: Path) -> None:
+    sys.path.insert(0, HERE)
+    import etcd_cluster
+
+    with etcd_cluster.running(1) as cluster:
+        endpoint = cluster.endpoints[0]
+        procs = [torchrun(a, endpoint, "2", tmp_path, 3, 0.0, backend="elasticstore-etcd",
+                          conf=",lease_ttl=2") for a in ("127.0.0.2", "127.0.0.3")]
+        try:
+            for proc in procs:
+                assert proc.wait(timeout=120) == 0, logs(tmp_path)
+            assert sorted(p.name for p in tmp_path.glob("done-*")) == [
+                f"done-{r}-4" for r in range(4)
+            ]
+        finally:
+            stop(procs)
+
+
 def test_survivor_finishes_at_the_smaller_size(tmp_path: Path) -> None:
     endpoint = f"127.0.0.2:{free_port('127.0.0.2')}"
     procs = [torchrun(a, endpoint, "1:2", tmp_path, 40, 0.25) for a in ("127.0.0.2", "127.0.0.3")]

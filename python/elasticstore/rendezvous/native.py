@@ -22,6 +22,7 @@ __all__ = ["NativeBackend", "create_native_backend"]
 log = logging.getLogger(__name__)
 
 _PROBE = timedelta(seconds=0.5)
+RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost server
 
 
 class NativeBackend(StoreBackend):
@@ -73,7 +74,10 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             except Exception as exc:  # bound by another agent meanwhile: use that one
                 log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
     try:
-        store = Store(host, settings.port, timeout=timeout, connect_timeout=timeout)
+        # The first connection may wait for the host agent to start (store_timeout); once in,
+        # a lost server is reported within RECONNECT seconds, never a hang.
+        Store(host, settings.port, timeout=timeout, connect_timeout=timeout).close()
+        store = Store(host, settings.port, timeout=timeout, connect_timeout=RECONNECT)
     except BaseException:
         if server is not None:
             server.close()
