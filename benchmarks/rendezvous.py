@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -87,7 +88,8 @@ def _torch(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
 
 
 def join_time(peer: str, n: int, limit: float = 120.0) -> float | None:
-    """Seconds from the common start to the last agent's rank (None: over ``limit``)."""
+    """Seconds from the common start to the last agent's rank (None: over ``limit``, or the
+    peer's own join timeout fired)."""
     make = _ours if peer == "elasticstore" else _torch
     handlers, close = make(n, f"bench{time.monotonic_ns()}")
     start_gate = threading.Barrier(n + 1)
@@ -115,8 +117,9 @@ def join_time(peer: str, n: int, limit: float = 120.0) -> float | None:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
     elapsed = time.perf_counter() - t0
     done = not any(t.is_alive() for t in threads)
-    if errors:
-        raise RuntimeError(f"{peer} x{n}: {errors[0]!r}")
+    if errors:  # torch's handler gives up at its join timeout (120 s here) at 256 agents
+        print(f"{peer} x{n}: failed: {errors[0]!r}", file=sys.stderr, flush=True)
+        return None
     if done:
         assert sorted(ranks) == list(range(n)), (peer, n, sorted(ranks)[:10])
         close()
@@ -136,7 +139,7 @@ def main() -> None:
         for peer in args.peers.split(","):
             secs = join_time(peer, n, args.limit)
             row[peer] = secs
-            print(f"{peer:>14} x{n:<5} {'>' + str(args.limit) if secs is None else f'{secs:.3f}'} s",
+            print(f"{peer:>14} x{n:<5} {'failed or >' + str(args.limit) if secs is None else f'{secs:.3f}'} s",
                   flush=True)
         results.append(row)
     print(json.dumps(results))

@@ -74,9 +74,15 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._round: RoundState | None = None
         self._alive = False
         self._ring: RingWatcher | None = None
+        self._spare: StoreBackend | None = None  # the next ring watcher's connection, made early
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
         self._lock = threading.Lock()
+        with self._guard():
+            self._ensure_alive()
+            # Connected now, not in the join storm: a round's participants then only connect
+            # to the round's worker store.
+            self._spare = backend.clone()
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -107,9 +113,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
             self._leave_round()
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
-            if not self._alive:
-                self._backend.set(self._keys.alive(self._node), self._addr, ephemeral=True)
-                self._alive = True
+            self._ensure_alive()
             current = self._read_round()
             target = current.round + 1 if current else 1
             for _ in range(100_000):  # each pass is a round formed or replaced
@@ -160,9 +164,22 @@ class ElasticRendezvousHandler(RendezvousHandler):
             log.warning("rendezvous shutdown of %s: %s", self._node, exc)
             return False
         finally:
+            spare, self._spare = self._spare, None
+            if spare is not None:
+                spare.close()
             self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------
+
+    def _ensure_alive(self) -> None:
+        """Writes this node's liveness key unless it is there: after a reconnect (native) or an
+        expired lease (etcd: a partition that healed) the old one is gone and the node comes
+        back with a new one. Written when the handler is made, so a round's decider sees it
+        before the node joins (one event fewer per node in the join storm)."""
+        key = self._keys.alive(self._node)
+        if not self._alive or self._backend.get(key) is None:
+            self._backend.set(key, self._addr, ephemeral=True)
+            self._alive = True
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
@@ -238,8 +255,10 @@ class ElasticRendezvousHandler(RendezvousHandler):
         raise RendezvousTimeoutError(
             f"rendezvous {s.run_id!r}: round {target} did not form within join_timeout="
             f"{s.join_timeout:g}s (nnodes {s.min_nodes}:{s.max_nodes}); joined: "
-            f"{', '.join(joined) or 'none'} ({len(joined)}); missing (previous round's nodes "
-            f"not joined): {', '.join(expected) or 'none'}; live nodes: {', '.join(alive)}"
+            f"{', '.join(joined) or 'none'} ({len(joined)}); missing: "
+            f"{max(0, s.min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
+            f"round's nodes not back: {', '.join(expected) or 'none'}; live nodes: "
+            f"{', '.join(alive)}"
         )
 
     # -- a round ----------------------------------------------------------------------------------
@@ -250,7 +269,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._round = state
         if state.world_size > 1:
             successor = state.participants[(rank + 1) % state.world_size]
-            self._ring = RingWatcher(backend.clone(), keys, state.round, successor)
+            spare, self._spare = self._spare, None
+            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor)
         if rank == 0:
             self._worker_server = StoreServer(self._addr, 0)
             boot = self._worker_server.address
