@@ -75,3 +75,18 @@ def test_static_backend_fixed_ranks() -> None:
             h.shutdown()
     with pytest.raises(ValueError, match="nnodes must be fixed"):
         get_rendezvous_handler(params("elasticstore-static", endpoint, 1, 2, None, rank=0))
+
+
+def test_localhost_endpoint_is_hosted_by_the_first_agent() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    handlers = [get_rendezvous_handler(params("elasticstore", f"localhost:{port}", 2, 2, None,
+                                              last_call_timeout=0.2)) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert [i.rank for i in infos] == [0, 1]
+    finally:
+        for h in reversed(handlers):
+            h.shutdown()

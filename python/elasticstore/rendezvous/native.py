@@ -9,6 +9,7 @@ are bound to the connection's session: a dead agent's keys vanish when its socke
 from __future__ import annotations
 
 import logging
+import socket
 from datetime import timedelta
 
 from ..errors import StoreNetworkError
@@ -51,10 +52,17 @@ class NativeBackend(StoreBackend):
 def _should_host(settings: RendezvousSettings) -> bool:
     if settings.is_host is not None:
         return settings.is_host
-    if settings.local_addr is None:
-        return False
     try:
-        return numeric_host(settings.local_addr) == numeric_host(settings.host)
+        host = numeric_host(settings.host)
+        if settings.local_addr is not None:
+            return numeric_host(settings.local_addr) == host
+        # No local address given: host when the endpoint is an address of this machine (as
+        # torch's c10d backend does; ``localhost`` included). Several agents of one machine
+        # then race: one binds, the others find its server answering.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+        return True
     except OSError:
         return False
 
