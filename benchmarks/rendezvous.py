@@ -3,6 +3,8 @@ start ``next_rendezvous()`` together; the figure is the time from that start (ev
 joined within it) to the last agent holding its rank. Side by side:
 
 - ``elasticstore``: our handler on an in-process native server (``min = max = N``);
+- ``elasticstore-etcd``: our handler on one etcd v3 member (``etcd_peer.py``: etcd's defaults,
+  WAL fsync on), lease TTL 5 s;
 - ``torch-c10d``: torch's ``DynamicRendezvousHandler`` with ``C10dRendezvousBackend`` on torch's
   ``TCPStore`` (``is_master`` in this process, one client per agent), as ``--rdzv-backend=c10d``.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import threading
@@ -26,7 +29,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-PEERS = ("elasticstore", "torch-c10d")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # etcd_peer, procs
+
+PEERS = ("elasticstore", "elasticstore-etcd", "torch-c10d")
 
 
 def _free_port() -> int:
@@ -52,6 +57,28 @@ def _ours(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
         for h in handlers:
             h.shutdown()
         server.close()
+
+    return handlers, close
+
+
+def _etcd(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
+    import etcd_peer
+    from elasticstore.rendezvous.etcd import create_etcd_backend
+    from elasticstore.rendezvous.handler import ElasticRendezvousHandler
+    from elasticstore.rendezvous.settings import RendezvousSettings
+
+    srv = etcd_peer.start_server()
+    settings = RendezvousSettings(run_id=run_id, host=srv.host, port=srv.port,
+                                  min_nodes=n, max_nodes=n, local_addr="127.0.0.1",
+                                  join_timeout=120, last_call_timeout=1)
+    endpoint = f"{srv.host}:{srv.port}"
+    handlers = [ElasticRendezvousHandler(create_etcd_backend(settings, endpoint), settings)
+                for _ in range(n)]
+
+    def close() -> None:
+        for h in handlers:
+            h.shutdown()
+        srv.close()
 
     return handlers, close
 
@@ -90,7 +117,7 @@ def _torch(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
 def join_time(peer: str, n: int, limit: float = 120.0) -> float | None:
     """Seconds from the common start to the last agent's rank (None: over ``limit``, or the
     peer's own join timeout fired)."""
-    make = _ours if peer == "elasticstore" else _torch
+    make = {"elasticstore": _ours, "elasticstore-etcd": _etcd, "torch-c10d": _torch}[peer]
     handlers, close = make(n, f"bench{time.monotonic_ns()}")
     start_gate = threading.Barrier(n + 1)
     ranks: list[int] = []
