@@ -78,6 +78,16 @@ class Agent:
             if pipe is not None and not pipe.closed:
                 pipe.close()
 
+    def freeze(self) -> float:
+        """SIGSTOP: the node goes silent without closing a socket (as when cut off or powered
+        off: no FIN, no keep-alive). Returns the wall time."""
+        t = time.time()
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        return t
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> float:
         """SIGKILL; returns the wall time of the kill."""
         t = time.time()
