@@ -103,4 +103,36 @@ def closed_rendezvous_refuses_new_rounds(agents: Make) -> None:
         assert b.expect("error")["type"] == "RendezvousClosedError"
 
 
-SCENARIOS = [three_nodes_unique_deterministic_ranks, sigkill_gives_survivors_a_new_round, scale_up_one_two_three, standby_replaces_a_dead_node, interrupted_node_leaves_only_itself, join_timeout_names_who_joined, closed_rendezvous_refuses_new_rounds]
+def silent_node_dropped_within_the_lease_and_taken_back(agents: Make) -> None:
+    """A node that goes silent without closing its sockets (SIGSTOP: as when partitioned or
+    powered off) is dropped within the lease TTL (etcd: its lease expires; native: its
+    heartbeat stops); when it comes back it enters the next round."""
+    with agents(2, 3) as group:
+        ttl = float(group.common["conf"]["lease_ttl"])
+        a, b, c = group.start_together([f"127.0.0.{i}" for i in (2, 3, 4)], rounds=3,
+                                       per={"127.0.0.4": {"rounds": 2}})
+        assert [n.expect("round")["world"] for n in (a, b, c)] == [3, 3, 3]
+        frozen_at = c.freeze()
+        noticed = max(n.expect("waiting", 15)["t"] for n in (a, b)) - frozen_at
+        second = [n.expect("round", 15) for n in (a, b)]
+        assert [(r["round"], r["world"]) for r in second] == [(2, 2), (2, 2)]
+        print(f"silent node (lease TTL {ttl:g}s) -> num_nodes_waiting>0: {noticed:.2f}s")
+        assert noticed < 2 * ttl + 2
+        c.thaw()
+        for n in (a, b):
+            n.expect("waiting", 15)
+        third = [n.expect("round", 30) for n in (a, b, c)]
+        assert [(r["round"], r["world"]) for r in third] == [(3, 3)] * 3
+        assert [r["rank"] for r in third] == [0, 1, 2]
+
+
+SCENARIOS = [
+    three_nodes_unique_deterministic_ranks,
+    sigkill_gives_survivors_a_new_round,
+    scale_up_one_two_three,
+    standby_replaces_a_dead_node,
+    interrupted_node_leaves_only_itself,
+    join_timeout_names_who_joined,
+    closed_rendezvous_refuses_new_rounds,
+    silent_node_dropped_within_the_lease_and_taken_back,
+]

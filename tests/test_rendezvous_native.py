@@ -20,7 +20,7 @@ import elasticstore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FAST = {"last_call_timeout": 0.3, "join_timeout": 30}
+FAST = {"last_call_timeout": 0.3, "join_timeout": 30, "lease_ttl": 2}
 
 
 @pytest.fixture

@@ -23,6 +23,9 @@ class StoreBackend(ABC):
     """
 
     name: str = ""
+    # True when a silent session (no FIN: partition, power loss) is not ended by the store
+    # itself: the handler then keeps its liveness key fresh and ring watchers time it out.
+    needs_heartbeat: bool = False
 
     def __init__(self, store: Any, endpoint: str) -> None:
         self.store = store

@@ -22,7 +22,7 @@ from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
 
-__all__ = ["Decider", "RingWatcher"]
+__all__ = ["Decider", "Heartbeat", "RingWatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,14 @@ class Decider:
 
 
 class RingWatcher:
-    """Watches ``successor``'s liveness key; sets ``ctl/restart/{rnd}`` when it vanishes."""
+    """Watches ``successor``'s liveness key; sets ``ctl/restart/{rnd}`` when it vanishes, or
+    (``silent_after``: a backend whose store does not end silent sessions) when it was not
+    refreshed for that long: the key is then deleted, so the next decider does not wait for it."""
 
-    def __init__(self, backend: StoreBackend, keys: Keys, rnd: int, successor: str) -> None:
+    def __init__(self, backend: StoreBackend, keys: Keys, rnd: int, successor: str,
+                 silent_after: float | None = None) -> None:
         self._b, self._k, self._rnd, self._succ = backend, keys, rnd, successor
+        self._silent_after = silent_after
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"rdzv-ring-{rnd}", daemon=True
@@ -131,17 +135,26 @@ class RingWatcher:
         b, key = self._b, self._k.alive(self._succ)
         try:
             rev = b.revision()
+            reason = "lost"
             if b.get(key) is not None:
+                last = time.monotonic()
                 while not self._stop.is_set():
                     event = b.watch(key, rev, 1.0)
-                    if event is None:
-                        continue
-                    rev = event.version
-                    if event.key == key and event.kind == "delete":
+                    now = time.monotonic()
+                    if event is not None:
+                        rev = event.version
+                        if event.key != key:
+                            continue
+                        if event.kind == "delete":
+                            break
+                        last = now
+                    elif self._silent_after is not None and now - last > self._silent_after:
+                        reason = "silent"
+                        b.delete(key)
                         break
             if not self._stop.is_set():
-                log.info("round %d: lost %s", self._rnd, self._succ)
-                b.set(self._k.restart(self._rnd), json.dumps({"reason": f"lost {self._succ}"}))
+                log.info("round %d: %s %s", self._rnd, reason, self._succ)
+                b.set(self._k.restart(self._rnd), json.dumps({"reason": f"{reason} {self._succ}"}))
         except Exception as exc:
             if not self._stop.is_set():
                 log.warning("round %d: watching %s failed: %s", self._rnd, self._succ, exc)
@@ -159,3 +172,35 @@ class RingWatcher:
         except Exception:
             pass
         self._thread.join(timeout=1.0)
+
+
+class Heartbeat:
+    """Keeps ``key`` (bound to this connection's session) fresh every ``period`` seconds, for a
+    store that does not end silent sessions; the ring watchers time out a node whose key stopped
+    changing. A timer on its own connection and thread: a busy main thread does not delay it."""
+
+    def __init__(self, backend: StoreBackend, key: str, value: str, period: float) -> None:
+        self._b, self._key, self._value, self._period = backend, key, value, period
+        self._stop = threading.Event()
+        self.beat()  # the key exists before the constructor returns
+        self._thread = threading.Thread(target=self._run, name="rdzv-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._b.set(self._key, self._value, ephemeral=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.beat()
+            except Exception as exc:  # retried next period; a lost store is reported elsewhere
+                log.debug("heartbeat of %s: %s", self._key, exc)
+
+    def stop(self, delete: bool) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        try:
+            if delete:
+                self._b.delete(self._key)
+        finally:
+            self._b.close()

@@ -36,7 +36,7 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
-from .executor import Decider, RingWatcher
+from .executor import Decider, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
@@ -75,11 +75,19 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._alive = False
         self._ring: RingWatcher | None = None
         self._spare: StoreBackend | None = None  # the next ring watcher's connection, made early
+        self._heartbeat: Heartbeat | None = None
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
         self._lock = threading.Lock()
         with self._guard():
-            self._ensure_alive()
+            if backend.needs_heartbeat:
+                # The liveness key is bound to the heartbeat's own connection and refreshed
+                # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
+                self._heartbeat = Heartbeat(backend.clone(), self._keys.alive(self._node),
+                                            self._addr, settings.lease_ttl / 3)
+                self._alive = True
+            else:
+                self._ensure_alive()
             # Connected now, not in the join storm: a round's participants then only connect
             # to the round's worker store.
             self._spare = backend.clone()
@@ -113,7 +121,10 @@ class ElasticRendezvousHandler(RendezvousHandler):
             self._leave_round()
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
-            self._ensure_alive()
+            if self._heartbeat is not None:
+                self._heartbeat.beat()  # back at once after a silence that got it deleted
+            else:
+                self._ensure_alive()
             current = self._read_round()
             target = current.round + 1 if current else 1
             for _ in range(100_000):  # each pass is a round formed or replaced
@@ -156,6 +167,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""
         try:
             self._leave_round()
+            heartbeat, self._heartbeat = self._heartbeat, None
+            if heartbeat is not None:
+                heartbeat.stop(delete=True)
             if self._alive:
                 self._backend.delete(self._keys.alive(self._node))
                 self._alive = False
@@ -270,7 +284,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if state.world_size > 1:
             successor = state.participants[(rank + 1) % state.world_size]
             spare, self._spare = self._spare, None
-            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor)
+            silent = self._settings.lease_ttl if backend.needs_heartbeat else None
+            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent)
         if rank == 0:
             self._worker_server = StoreServer(self._addr, 0)
             boot = self._worker_server.address

@@ -28,6 +28,7 @@ RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost
 
 class NativeBackend(StoreBackend):
     name = "elasticstore"
+    needs_heartbeat = True  # the server keeps a silent session open (no lease on sessions)
 
     def __init__(
         self, store: Store, endpoint: str, server: StoreServer | None = None
