@@ -44,6 +44,8 @@ def main() -> None:
                  stale=stale, node=getattr(handler, "node_id", ""))
             if n + 1 == cfg.get("rounds", 1):
                 break
+            if cfg.get("rejoin_at_once"):  # as torch's agent after its workers failed
+                continue
             deadline = time.monotonic() + 60
             while handler.num_nodes_waiting() == 0:
                 if time.monotonic() > deadline:

@@ -126,6 +126,20 @@ def silent_node_dropped_within_the_lease_and_taken_back(agents: Make) -> None:
         assert [r["rank"] for r in third] == [0, 1, 2]
 
 
+def failed_workers_rejoin_brings_the_others(agents: Make) -> None:
+    """A node whose workers failed re-joins at once (torch's agent restarts them): the others
+    are told (num_nodes_waiting > 0) and the same nodes form the next round with the same ranks."""
+    with agents(1, 3) as group:
+        nodes = group.start_together([f"127.0.0.{i}" for i in (2, 3, 4)], rounds=2,
+                                     per={"127.0.0.3": {"rejoin_at_once": True}})
+        first = [n.expect("round") for n in nodes]
+        for n in (nodes[0], nodes[2]):
+            n.expect("waiting", 10)
+        second = [n.expect("round", 15) for n in nodes]
+        assert [(r["round"], r["world"]) for r in second] == [(2, 3)] * 3
+        assert [r["rank"] for r in second] == [r["rank"] for r in first] == [0, 1, 2]
+
+
 SCENARIOS = [
     three_nodes_unique_deterministic_ranks,
     sigkill_gives_survivors_a_new_round,
@@ -135,4 +149,5 @@ SCENARIOS = [
     join_timeout_names_who_joined,
     closed_rendezvous_refuses_new_rounds,
     silent_node_dropped_within_the_lease_and_taken_back,
+    failed_workers_rejoin_brings_the_others,
 ]

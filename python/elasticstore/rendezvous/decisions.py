@@ -74,8 +74,10 @@ def order_nodes(joined: frozenset[str], prev: RoundState | None) -> list[str]:
 
 def decide(view: View, min_nodes: int, max_nodes: int, last_call: float) -> Action:
     prev = view.prev
-    restarting = view.restart_signalled or prev is None or bool(view.joined & set(prev.participants))
-    if prev is not None and not restarting:
+    if prev is not None and not view.restart_signalled:
+        back = sorted(view.joined & set(prev.participants))
+        if back:  # a participant came back (its workers failed): the others must come too
+            return Signal(f"re-joined {', '.join(back)}")
         # The previous round runs: replace it only when a participant is lost or a waiting node
         # fits in (a node beyond max_nodes stands by and does not disturb a full round).
         lost = sorted(n for n in prev.participants if n not in view.alive)
