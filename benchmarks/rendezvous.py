@@ -49,7 +49,10 @@ def _ours(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
     server = elasticstore.StoreServer("127.0.0.1", 0)
     settings = RendezvousSettings(run_id=run_id, host="127.0.0.1", port=server.port,
                                   min_nodes=n, max_nodes=n, local_addr="127.0.0.1",
-                                  join_timeout=120, last_call_timeout=1)
+                                  join_timeout=120, last_call_timeout=1,
+                                  # N heartbeat threads share one interpreter here (in a job,
+                                  # each agent has its own): no silent-node timeouts measured
+                                  lease_ttl=120)
     handlers = [ElasticRendezvousHandler(create_native_backend(settings), settings)
                 for _ in range(n)]
 

@@ -266,13 +266,17 @@ class ElasticRendezvousHandler(RendezvousHandler):
         prev = self._read_round()
         expected = sorted(set(prev.participants) - set(joined)) if prev else []
         s = self._settings
+
+        def names(nodes: list[str]) -> str:
+            shown = ", ".join(nodes[:16]) or "none"
+            return shown + (f", ... ({len(nodes) - 16} more)" if len(nodes) > 16 else "")
+
         raise RendezvousTimeoutError(
             f"rendezvous {s.run_id!r}: round {target} did not form within join_timeout="
             f"{s.join_timeout:g}s (nnodes {s.min_nodes}:{s.max_nodes}); joined: "
-            f"{', '.join(joined) or 'none'} ({len(joined)}); missing: "
+            f"{names(joined)} ({len(joined)}); missing: "
             f"{max(0, s.min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
-            f"round's nodes not back: {', '.join(expected) or 'none'}; live nodes: "
-            f"{', '.join(alive)}"
+            f"round's nodes not back: {names(expected)}; live nodes: {names(alive)}"
         )
 
     # -- a round ----------------------------------------------------------------------------------
