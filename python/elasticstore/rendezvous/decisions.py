@@ -1,0 +1,120 @@
+"""Pure decisions: (what a node sees, the clock) -> what to do. No I/O, no clock reads.
+
+The decider of round T (one node, holder of ``ctl/decider/T``) feeds :func:`decide` the live
+nodes, the live joiners of T and the previous round; the executor in ``handler.py`` applies the
+action it returns. Tested as a table in ``tests/test_rendezvous_decisions.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from .state import RoundState, node_sort_key
+
+__all__ = [
+    "Complete", "Signal", "View", "Wait", "Action", "Role", "decide", "order_nodes", "role_in",
+    "update_min_since",
+]
+
+
+@dataclass(frozen=True)
+class View:
+    """What the decider of round ``target`` sees at ``now`` (monotonic seconds)."""
+
+    target: int
+    prev: RoundState | None  # the round before ``target`` (None: the first round)
+    alive: frozenset[str]
+    joined: frozenset[str]  # live nodes that joined ``target``
+    restart_signalled: bool  # ``ctl/restart/{target-1}`` exists
+    min_since: float | None  # when ``joined`` last reached ``min_nodes`` (None: below it)
+    now: float
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the next change, or until ``until`` (None: no deadline of the decider's own)."""
+
+    until: float | None
+
+
+@dataclass(frozen=True)
+class Signal:
+    """Tell the participants of the previous round to come back (``ctl/restart``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Write this round record (compare-and-set on the previous one)."""
+
+    state: RoundState
+
+
+Action = Union[Wait, Signal, Complete]
+
+
+def update_min_since(min_since: float | None, joined: int, min_nodes: int, now: float) -> float | None:
+    """Starts the last-call clock when ``min_nodes`` joined; stops it when they drop below."""
+    if joined < min_nodes:
+        return None
+    return now if min_since is None else min_since
+
+
+def order_nodes(joined: frozenset[str], prev: RoundState | None) -> list[str]:
+    """Rank order: the previous participants in their previous order (ranks stay stable where
+    membership allows), then its standbys, then new nodes by address, pid, local id."""
+    old = [n for n in prev.participants if n in joined] if prev else []
+    waiting = [n for n in prev.standby if n in joined and n not in old] if prev else []
+    seen = set(old) | set(waiting)
+    new = sorted((n for n in joined if n not in seen), key=node_sort_key)
+    return old + waiting + new
+
+
+def decide(view: View, min_nodes: int, max_nodes: int, last_call: float) -> Action:
+    prev = view.prev
+    if prev is not None and not view.restart_signalled:
+        back = sorted(view.joined & set(prev.participants))
+        if back:  # a participant came back (its workers failed): the others must come too
+            return Signal(f"re-joined {', '.join(back)}")
+        # The previous round runs: replace it only when a participant is lost or a waiting node
+        # fits in (a node beyond max_nodes stands by and does not disturb a full round).
+        lost = sorted(n for n in prev.participants if n not in view.alive)
+        if lost:
+            return Signal(f"lost {', '.join(lost)}")
+        newcomers = sorted(view.joined - set(prev.participants))
+        if newcomers and len(prev.participants) < max_nodes:
+            return Signal(f"waiting {', '.join(newcomers)}")
+        return Wait(None)
+    expected = {n for n in prev.participants if n in view.alive} if prev else set()
+    missing = expected - view.joined
+    count = len(view.joined)
+    if missing or count < min_nodes or view.min_since is None:
+        # Live participants of the previous round were told to come back: wait for them (a
+        # dead one's liveness key vanishes and it stops being expected; join_timeout bounds it).
+        return Wait(None)
+    last_call_at = view.min_since + last_call
+    if count >= max_nodes or view.now >= last_call_at:
+        order = order_nodes(view.joined, prev)
+        return Complete(
+            RoundState(view.target, tuple(order[:max_nodes]), tuple(order[max_nodes:]))
+        )
+    return Wait(last_call_at)
+
+
+@dataclass(frozen=True)
+class Role:
+    """A node's place in a round record: ``rank`` (None: not a participant)."""
+
+    rank: int | None
+    standby: bool
+
+
+def role_in(state: RoundState, node: str) -> Role:
+    return Role(state.rank_of(node), node in state.standby)
+
+
+def waiting_count(restart_value: bytes | None) -> int:
+    """``num_nodes_waiting`` from the round's restart signal: positive once it is set."""
+    return 0 if restart_value is None else 1

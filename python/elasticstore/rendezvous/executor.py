@@ -1,0 +1,206 @@
+"""The two loops that apply ``decisions``: the decider of a round and the ring watcher.
+
+``Decider`` watches the run's keys (O(n) events, on one node only), feeds
+:func:`decisions.decide` and writes the round record once with compare-and-set.
+``RingWatcher`` (one per participant, on its own connection) watches the successor's liveness
+key and sets ``ctl/restart/R`` when it vanishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from ..errors import WatchCompactedError
+from . import decisions
+from .backend import StoreBackend
+from .settings import RendezvousSettings
+from .state import Keys, RoundState
+
+__all__ = ["Decider", "Heartbeat", "RingWatcher"]
+
+log = logging.getLogger(__name__)
+
+
+def _names(keys: list[str]) -> set[str]:
+    return {k.rsplit("/", 1)[1] for k in keys}
+
+
+class Decider:
+    """Forms round ``target``; this node holds ``ctl/decider/{target}``."""
+
+    def __init__(
+        self,
+        *,
+        backend: StoreBackend,
+        keys: Keys,
+        settings: RendezvousSettings,
+        target: int,
+        deadline: float,
+        on_deadline: Callable[[], None],
+    ) -> None:
+        self._b, self._k, self._s = backend, keys, settings
+        self._target, self._deadline, self._on_deadline = target, deadline, on_deadline
+
+    def run(self) -> RoundState:
+        try:
+            for _ in range(1000):  # a pass per compacted watch or lost compare-and-set
+                state = self._form()
+                if state is not None:
+                    return state
+            raise RuntimeError(f"round {self._target}: could not write the round record")
+        finally:
+            self._b.delete(self._k.decider(self._target))
+
+    def _form(self) -> RoundState | None:
+        b, k, s, target = self._b, self._k, self._s, self._target
+        rev = b.revision()
+        prev_bytes = b.get(k.round)
+        prev = RoundState.from_json(prev_bytes) if prev_bytes is not None else None
+        if prev is not None and prev.round >= target:
+            return prev
+        alive = _names(b.list(k.alive_prefix))
+        joined = _names(b.list(k.join_prefix(target)))
+        restart = b.get(k.restart(target - 1)) is not None if prev else False
+        min_since: float | None = None
+        join_prefix, restart_key = k.join_prefix(target), k.restart(target - 1)
+        while True:
+            now = time.monotonic()
+            if now >= self._deadline:
+                self._on_deadline()
+            min_since = decisions.update_min_since(min_since, len(joined), s.min_nodes, now)
+            view = decisions.View(
+                target, prev, frozenset(alive), frozenset(joined), restart, min_since, now
+            )
+            action = decisions.decide(view, s.min_nodes, s.max_nodes, s.last_call_timeout)
+            if isinstance(action, decisions.Complete):
+                if not b.cas(k.round, prev_bytes, action.state.to_json()):
+                    return None  # re-read: the record changed under us
+                self._clean(target)
+                return action.state
+            if isinstance(action, decisions.Signal):
+                log.info("round %d: asking round %d to re-rendezvous (%s)",
+                         target, target - 1, action.reason)
+                b.set(restart_key, json.dumps({"reason": action.reason}))
+                restart = True
+                continue
+            until = self._deadline if action.until is None else min(action.until, self._deadline)
+            try:
+                event = b.watch(k.base, rev, until - now)
+            except WatchCompactedError:
+                return None
+            if event is None:
+                continue
+            rev = event.version
+            name = event.key.rsplit("/", 1)[-1]
+            if event.key.startswith(k.alive_prefix):
+                (alive.add if event.kind == "set" else alive.discard)(name)
+            elif event.key.startswith(join_prefix):
+                (joined.add if event.kind == "set" else joined.discard)(name)
+            elif event.key == restart_key and event.kind == "set":
+                restart = True
+            elif event.key == k.closed and event.kind == "set":
+                raise RendezvousClosedError(f"rendezvous {s.run_id!r} closed")
+            elif event.key == k.round and event.kind == "set":
+                return None
+
+    def _clean(self, target: int) -> None:
+        """Drops the signals of round ``target - 2`` (nobody reads them any more)."""
+        if target > 2:
+            self._b.delete(self._k.restart(target - 2))
+            self._b.delete(self._k.boot(target - 2))
+
+
+class RingWatcher:
+    """Watches ``successor``'s liveness key; sets ``ctl/restart/{rnd}`` when it vanishes, or
+    (``silent_after``: a backend whose store does not end silent sessions) when it was not
+    refreshed for that long: the key is then deleted, so the next decider does not wait for it."""
+
+    def __init__(self, backend: StoreBackend, keys: Keys, rnd: int, successor: str,
+                 silent_after: float | None = None) -> None:
+        self._b, self._k, self._rnd, self._succ = backend, keys, rnd, successor
+        self._silent_after = silent_after
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"rdzv-ring-{rnd}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        b, key = self._b, self._k.alive(self._succ)
+        try:
+            rev = b.revision()
+            reason = "lost"
+            if b.get(key) is not None:
+                last = time.monotonic()
+                while not self._stop.is_set():
+                    event = b.watch(key, rev, 1.0)
+                    now = time.monotonic()
+                    if event is not None:
+                        rev = event.version
+                        if event.key != key:
+                            continue
+                        if event.kind == "delete":
+                            break
+                        last = now
+                    elif self._silent_after is not None and now - last > self._silent_after:
+                        reason = "silent"
+                        b.delete(key)
+                        break
+            if not self._stop.is_set():
+                log.info("round %d: %s %s", self._rnd, reason, self._succ)
+                b.set(self._k.restart(self._rnd), json.dumps({"reason": f"{reason} {self._succ}"}))
+        except Exception as exc:
+            if not self._stop.is_set():
+                log.warning("round %d: watching %s failed: %s", self._rnd, self._succ, exc)
+        finally:
+            try:
+                b.close()
+            except Exception:
+                pass
+
+    def stop(self) -> None:
+        """Stops at once: closing the connection ends the blocked watch."""
+        self._stop.set()
+        try:
+            self._b.close()
+        except Exception:
+            pass
+        self._thread.join(timeout=1.0)
+
+
+class Heartbeat:
+    """Keeps ``key`` (bound to this connection's session) fresh every ``period`` seconds, for a
+    store that does not end silent sessions; the ring watchers time out a node whose key stopped
+    changing. A timer on its own connection and thread: a busy main thread does not delay it."""
+
+    def __init__(self, backend: StoreBackend, key: str, value: str, period: float) -> None:
+        self._b, self._key, self._value, self._period = backend, key, value, period
+        self._stop = threading.Event()
+        self.beat()  # the key exists before the constructor returns
+        self._thread = threading.Thread(target=self._run, name="rdzv-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._b.set(self._key, self._value, ephemeral=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.beat()
+            except Exception as exc:  # retried next period; a lost store is reported elsewhere
+                log.debug("heartbeat of %s: %s", self._key, exc)
+
+    def stop(self, delete: bool) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        try:
+            if delete:
+                self._b.delete(self._key)
+        finally:
+            self._b.close()

@@ -1,0 +1,345 @@
+"""``ElasticRendezvousHandler``: torch's ``RendezvousHandler`` over a :class:`StoreBackend`.
+
+The executor of ``decisions``: a node writes its liveness key once, joins round T with one
+session-bound key, and either becomes T's decider (one ``create``) or watches ``ctl/`` for the
+round record. The decider watches the run's keys, feeds :func:`decisions.decide` and writes the
+round once with compare-and-set. A participant watches its successor's liveness key (a ring:
+O(1) per node) and signals ``ctl/restart/R`` when it vanishes, so ``num_nodes_waiting()`` turns
+positive at once everywhere. Round R's rank 0 hosts a fresh worker store (a new native server,
+so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+from torch.distributed import Store as TorchStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from ..errors import StoreNetworkError, WatchCompactedError
+from ..server import StoreServer
+from ..store import Store
+from . import decisions
+from .backend import StoreBackend
+from .executor import Decider, Heartbeat, RingWatcher
+from .settings import RendezvousSettings, numeric_host, parse_endpoint
+from .state import Keys, NodeId, RoundState
+
+__all__ = ["ElasticRendezvousHandler"]
+
+log = logging.getLogger(__name__)
+_LOCAL_IDS = itertools.count()
+
+
+class _Restart(Exception):
+    """The round being joined was replaced before it could be used: join the next one."""
+
+
+def _local_addr(settings: RendezvousSettings) -> str:
+    if settings.local_addr:
+        return numeric_host(settings.local_addr)
+    # The address this host uses to reach the endpoint (a UDP connect sends nothing; no DNS).
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((numeric_host(settings.host), settings.port))
+            return str(sock.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class ElasticRendezvousHandler(RendezvousHandler):
+    """See the module doc. Several handlers in one process are distinct nodes."""
+
+    def __init__(self, backend: StoreBackend, settings: RendezvousSettings) -> None:
+        self._backend = backend
+        self._settings = settings
+        self._keys = Keys(settings.run_id)
+        self._addr = _local_addr(settings)
+        self._node = str(NodeId(self._addr, os.getpid(), next(_LOCAL_IDS)))
+        self._round: RoundState | None = None
+        self._alive = False
+        self._ring: RingWatcher | None = None
+        self._spare: StoreBackend | None = None  # the next ring watcher's connection, made early
+        self._heartbeat: Heartbeat | None = None
+        self._worker_server: StoreServer | None = None
+        self._worker_store: Store | None = None
+        self._lock = threading.Lock()
+        with self._guard():
+            if backend.needs_heartbeat:
+                # The liveness key is bound to the heartbeat's own connection and refreshed
+                # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
+                self._heartbeat = Heartbeat(backend.clone(), self._keys.alive(self._node),
+                                            self._addr, settings.lease_ttl / 3)
+                self._alive = True
+            else:
+                self._ensure_alive()
+            # Connected now, not in the join storm: a round's participants then only connect
+            # to the round's worker store.
+            self._spare = backend.clone()
+
+    # -- torch's interface ----------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def use_agent_store(self) -> bool:
+        """True: the workers' ``MASTER_ADDR:MASTER_PORT`` is the round's store (a native server
+        that speaks torch's TCPStore protocol), which the agents use too."""
+        return True
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    @property
+    def node_id(self) -> str:
+        return self._node
+
+    @property
+    def round(self) -> RoundState | None:
+        return self._round
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        start = time.monotonic()
+        deadline = start + self._settings.join_timeout
+        with self._guard():
+            self._leave_round()
+            if self.is_closed():
+                raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
+            if self._heartbeat is not None:
+                self._heartbeat.beat()  # back at once after a silence that got it deleted
+            else:
+                self._ensure_alive()
+            current = self._read_round()
+            target = current.round + 1 if current else 1
+            for _ in range(100_000):  # each pass is a round formed or replaced
+                state = self._join(target, deadline)
+                rank = state.rank_of(self._node)
+                if rank is None:  # standby or too late: wait for the next round
+                    target = state.round + 1
+                    continue
+                try:
+                    info = self._enter(state, rank, deadline)
+                except _Restart:
+                    target = state.round + 1
+                    continue
+                log.info(
+                    "rendezvous %s round %d: node %s has rank %d of %d (%.3fs)",
+                    self._settings.run_id, state.round, self._node, rank, state.world_size,
+                    time.monotonic() - start,
+                )
+                return info
+        raise RendezvousTimeoutError("rendezvous: too many rounds replaced while joining")
+
+    def is_closed(self) -> bool:
+        with self._guard():
+            return self._backend.get(self._keys.closed) is not None
+
+    def set_closed(self) -> None:
+        with self._guard():
+            self._backend.set(self._keys.closed, b"1")
+
+    def num_nodes_waiting(self) -> int:
+        """Positive as soon as the current round must be replaced: a participant was lost
+        (its liveness key vanished) or a waiting node fits in. One read."""
+        rnd = self._round
+        if rnd is None:
+            return 0
+        with self._guard():
+            return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
+
+    def shutdown(self) -> bool:
+        """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""
+        try:
+            self._leave_round()
+            heartbeat, self._heartbeat = self._heartbeat, None
+            if heartbeat is not None:
+                heartbeat.stop(delete=True)
+            if self._alive:
+                self._backend.delete(self._keys.alive(self._node))
+                self._alive = False
+            return True
+        except Exception as exc:  # the store may be gone with its host: nothing left to undo
+            log.warning("rendezvous shutdown of %s: %s", self._node, exc)
+            return False
+        finally:
+            spare, self._spare = self._spare, None
+            if spare is not None:
+                spare.close()
+            self._backend.close()
+
+    # -- joining ----------------------------------------------------------------------------------
+
+    def _ensure_alive(self) -> None:
+        """Writes this node's liveness key unless it is there: after a reconnect (native) or an
+        expired lease (etcd: a partition that healed) the old one is gone and the node comes
+        back with a new one. Written when the handler is made, so a round's decider sees it
+        before the node joins (one event fewer per node in the join storm)."""
+        key = self._keys.alive(self._node)
+        if not self._alive or self._backend.get(key) is None:
+            self._backend.set(key, self._addr, ephemeral=True)
+            self._alive = True
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except StoreNetworkError as exc:
+            raise RendezvousConnectionError(
+                f"lost the rendezvous store at {self._backend.endpoint} "
+                f"({self._backend.name}): {exc}"
+            ) from exc
+
+    def _read_round(self) -> RoundState | None:
+        data = self._backend.get(self._keys.round)
+        return None if data is None else RoundState.from_json(data)
+
+    def _join(self, target: int, deadline: float) -> RoundState:
+        """Joins round ``target``; returns the first round record numbered ``target`` or later."""
+        join_key = self._keys.join(target, self._node)
+        self._backend.set(join_key, b"", ephemeral=True)
+        try:
+            for _ in range(100_000):
+                if self._backend.create(self._keys.decider(target), self._node, ephemeral=True):
+                    return Decider(
+                        backend=self._backend, keys=self._keys, settings=self._settings,
+                        target=target, deadline=deadline,
+                        on_deadline=lambda: self._check_closed_or_late(deadline, target),
+                    ).run()
+                state = self._await_round(target, deadline)
+                if state is not None:
+                    return state
+            raise RendezvousTimeoutError(f"round {target}: deciders kept failing")
+        finally:
+            self._backend.delete(join_key)
+
+    def _await_round(self, target: int, deadline: float) -> RoundState | None:
+        """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
+        left before writing it (the caller then tries to take its place)."""
+        keys, backend = self._keys, self._backend
+        while True:
+            rev = backend.revision()
+            state = self._read_round()
+            if state is not None and state.round >= target:
+                return state
+            if backend.get(keys.decider(target)) is None:
+                return None
+            while True:
+                self._check_closed_or_late(deadline, target)
+                try:
+                    event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
+                except WatchCompactedError:
+                    break  # re-read
+                if event is None:
+                    continue  # the deadline check raises
+                rev = event.version
+                if event.key == keys.round:
+                    state = RoundState.from_json(event.value) if event.kind == "set" else None
+                    if state is not None and state.round >= target:
+                        return state
+                elif event.key == keys.decider(target) and event.kind == "delete":
+                    state = self._read_round()
+                    return state if state is not None and state.round >= target else None
+                elif event.key == keys.closed and event.kind == "set":
+                    raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} closed")
+
+    def _check_closed_or_late(self, deadline: float, target: int) -> None:
+        if time.monotonic() < deadline:
+            return
+        joined = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.join_prefix(target)))
+        alive = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.alive_prefix))
+        prev = self._read_round()
+        expected = sorted(set(prev.participants) - set(joined)) if prev else []
+        s = self._settings
+
+        def names(nodes: list[str]) -> str:
+            shown = ", ".join(nodes[:16]) or "none"
+            return shown + (f", ... ({len(nodes) - 16} more)" if len(nodes) > 16 else "")
+
+        raise RendezvousTimeoutError(
+            f"rendezvous {s.run_id!r}: round {target} did not form within join_timeout="
+            f"{s.join_timeout:g}s (nnodes {s.min_nodes}:{s.max_nodes}); joined: "
+            f"{names(joined)} ({len(joined)}); missing: "
+            f"{max(0, s.min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
+            f"round's nodes not back: {names(expected)}; live nodes: {names(alive)}"
+        )
+
+    # -- a round ----------------------------------------------------------------------------------
+
+    def _enter(self, state: RoundState, rank: int, deadline: float) -> RendezvousInfo:
+        """Publishes (rank 0) or finds the round's worker store; starts watching the successor."""
+        keys, backend = self._keys, self._backend
+        self._round = state
+        if state.world_size > 1:
+            successor = state.participants[(rank + 1) % state.world_size]
+            spare, self._spare = self._spare, None
+            silent = self._settings.lease_ttl if backend.needs_heartbeat else None
+            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent)
+        if rank == 0:
+            self._worker_server = StoreServer(self._addr, 0)
+            boot = self._worker_server.address
+            backend.set(keys.boot(state.round), boot)
+        else:
+            boot = self._await_boot(state.round, deadline)
+        host, port = parse_endpoint(boot)
+        self._worker_store = Store(
+            host, port, timeout=timedelta(seconds=self._settings.store_timeout)
+        )
+        store: TorchStore = self._worker_store
+        return RendezvousInfo(
+            store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)
+        )
+
+    def _await_boot(self, rnd: int, deadline: float) -> str:
+        keys, backend = self._keys, self._backend
+        while True:
+            rev = backend.revision()
+            value = backend.get(keys.boot(rnd))
+            if value is not None:
+                return value.decode()
+            if backend.get(keys.restart(rnd)) is not None:
+                raise _Restart()
+            while time.monotonic() < deadline:
+                try:
+                    event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
+                except WatchCompactedError:
+                    break
+                if event is None:
+                    continue
+                rev = event.version
+                if event.key == keys.boot(rnd) and event.kind == "set":
+                    return event.value.decode()
+                if event.key == keys.restart(rnd):
+                    raise _Restart()
+            else:
+                raise RendezvousTimeoutError(
+                    f"round {rnd}: rank 0 did not publish the worker store within join_timeout"
+                )
+
+    def _leave_round(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.stop()
+        store, self._worker_store = self._worker_store, None
+        if store is not None:
+            store.close()
+        server, self._worker_server = self._worker_server, None
+        if server is not None:
+            server.close()
+        self._round = None
+

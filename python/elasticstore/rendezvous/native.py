@@ -1,0 +1,94 @@
+"""The native backend: the rendezvous on an elasticstore server.
+
+The agent whose ``local_addr`` is the endpoint's host (``is_host`` decides when given, as in
+torch's c10d backend) hosts the server in-process, unless a server already answers there; the
+others (and every agent, with an external ``elasticstore-server``) connect to it. Liveness keys
+are bound to the connection's session: a dead agent's keys vanish when its socket closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+
+from ..errors import StoreNetworkError
+from ..server import StoreServer
+from ..store import Store
+from .backend import StoreBackend
+from .settings import RendezvousSettings, numeric_host
+
+__all__ = ["NativeBackend", "create_native_backend"]
+
+log = logging.getLogger(__name__)
+
+_PROBE = timedelta(seconds=0.5)
+RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost server
+
+
+class NativeBackend(StoreBackend):
+    name = "elasticstore"
+    needs_heartbeat = True  # the server keeps a silent session open (no lease on sessions)
+
+    def __init__(
+        self, store: Store, endpoint: str, server: StoreServer | None = None
+    ) -> None:
+        super().__init__(store, endpoint)
+        self.server = server
+
+    def revision(self) -> int:
+        return int(self.store.stats()["revision"])
+
+    def clone(self) -> NativeBackend:
+        return NativeBackend(self.store.clone(), self.endpoint)
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+
+def _should_host(settings: RendezvousSettings) -> bool:
+    if settings.is_host is not None:
+        return settings.is_host
+    try:
+        host = numeric_host(settings.host)
+        if settings.local_addr is not None:
+            return numeric_host(settings.local_addr) == host
+        # No local address given: host when the endpoint is an address of this machine (as
+        # torch's c10d backend does; ``localhost`` included). Several agents of one machine
+        # then race: one binds, the others find its server answering.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
+    host = numeric_host(settings.host)
+    timeout = timedelta(seconds=settings.store_timeout)
+    server: StoreServer | None = None
+    if _should_host(settings):
+        try:
+            Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE).close()
+            log.info("a rendezvous server already answers at %s", settings.endpoint)
+        except StoreNetworkError:
+            try:
+                server = StoreServer(host, settings.port)
+                log.info("hosting the rendezvous server at %s", server.address)
+            except Exception as exc:  # bound by another agent meanwhile: use that one
+                log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
+    try:
+        # The first connection may wait for the host agent to start (store_timeout); once in,
+        # a lost server is reported within RECONNECT seconds, never a hang.
+        Store(host, settings.port, timeout=timeout, connect_timeout=timeout).close()
+        store = Store(host, settings.port, timeout=timeout, connect_timeout=RECONNECT)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    return NativeBackend(store, settings.endpoint, server)

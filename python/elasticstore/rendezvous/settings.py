@@ -1,0 +1,203 @@
+"""``--rdzv-conf`` keys -> :class:`RendezvousSettings`, parsed and checked once.
+
+Every key, its default and its meaning (documented in ``docs/rendezvous.md``):
+
+==================== ========= ================================================================
+key                  default   meaning
+==================== ========= ================================================================
+join_timeout         600       seconds a node waits in ``next_rendezvous`` for a round to form
+last_call_timeout    30        seconds a round stays open after ``min_nodes`` joined
+close_timeout        30        seconds ``shutdown`` may take to withdraw this node
+store_timeout        60        seconds one store operation (and a reconnect) may take
+lease_ttl            5         etcd: TTL of the lease that carries a node's liveness keys
+is_host              (auto)    native: host the rendezvous server in this agent (torch's key)
+etcd_prefix          /elasticstore/rdzv   etcd: key prefix of the rendezvous
+cacert / cert / key  (none)    etcd: TLS files (``ca_cert`` is accepted for ``cacert``)
+user / password      (none)    etcd: authentication
+protocol             (auto)    etcd: ``http`` or ``https`` (torch's etcd key; https needs cacert)
+rank                 (none)    static: this node's rank (torchrun adds it from ``--node-rank``)
+timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
+==================== ========= ================================================================
+
+An unknown key or a bad value raises ``ValueError`` naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_PORT", "RendezvousSettings", "numeric_host", "parse_endpoint", "settings_from_params"]
+
+DEFAULT_PORT = 29400
+
+_TRUE = {"1", "true", "t", "yes", "y"}
+_FALSE = {"0", "false", "f", "no", "n"}
+_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
+_STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
+_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout"}
+
+
+def numeric_host(host: str) -> str:
+    """``host`` as a numeric address (forward lookup only: ``localhost`` -> ``127.0.0.1``)."""
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return str(infos[0][4][0])
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) -> (host, port)."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        raise ValueError("rdzv endpoint: empty (expected host[:port])")
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif endpoint.count(":") == 1:
+        host, port_text = endpoint.split(":")
+    else:
+        host, port_text = endpoint, ""
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"rdzv endpoint {endpoint!r}: port {port_text!r} is not a port number")
+    return host, int(port_text)
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        secs = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"rdzv-conf {key}={value!r}: not a number of seconds") from None
+    if not math.isfinite(secs) or secs <= 0:
+        raise ValueError(f"rdzv-conf {key}={value!r}: must be a positive number of seconds")
+    return secs
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"rdzv-conf {key}={value!r}: not a boolean (true/false, 1/0, yes/no)")
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Everything the rendezvous needs, checked once (see the module doc for the keys)."""
+
+    run_id: str
+    host: str
+    port: int
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    store_timeout: float = 60.0
+    lease_ttl: float = 5.0
+    is_host: bool | None = None
+    etcd_prefix: str = "/elasticstore/rdzv"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    protocol: str | None = None
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ValueError(f"run_id {self.run_id!r}: must be non-empty, without '/'")
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= min_nodes <= max_nodes"
+            )
+        if self.protocol not in (None, "http", "https"):
+            raise ValueError(f"rdzv-conf protocol={self.protocol!r}: must be http or https")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("rdzv-conf cert/key: give both (client certificate and its key)")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("rdzv-conf user/password: give both")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"rdzv-conf rank={self.rank}: must be >= 0")
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        run_id: str,
+        endpoint: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None,
+        config: Mapping[str, Any],
+        default_port: int = DEFAULT_PORT,
+    ) -> RendezvousSettings:
+        """Parses ``config`` (the ``--rdzv-conf`` keys); refuses unknown keys and bad values."""
+        unknown = sorted(set(config) - _KNOWN)
+        if unknown:
+            raise ValueError(
+                f"rdzv-conf: unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(_KNOWN))})"
+            )
+        kwargs: dict[str, Any] = {}
+        for key in _SECONDS:
+            if key in config:
+                kwargs[key] = _seconds(key, config[key])
+        for key in _STRINGS:
+            value = config.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"rdzv-conf {key}={value!r}: must be a non-empty string")
+            kwargs["cacert" if key == "ca_cert" else key] = value
+        if "is_host" in config:
+            kwargs["is_host"] = _bool("is_host", config["is_host"])
+        if "rank" in config and config["rank"] is not None:
+            try:
+                kwargs["rank"] = int(config["rank"])
+            except (TypeError, ValueError):
+                raise ValueError(f"rdzv-conf rank={config['rank']!r}: not an integer") from None
+        if "timeout" in config:  # torchrun's; checked, not used (join_timeout is)
+            _seconds("timeout", config["timeout"])
+        host, port = parse_endpoint(endpoint, default_port)
+        return cls(
+            run_id=run_id,
+            host=host,
+            port=port,
+            min_nodes=int(min_nodes),
+            max_nodes=int(max_nodes),
+            local_addr=local_addr or None,
+            **kwargs,
+        )
+
+
+def settings_from_params(
+    params: Any, default_port: int = DEFAULT_PORT, endpoint: str | None = None
+) -> RendezvousSettings:
+    """Settings from torch's ``RendezvousParameters``."""
+    return RendezvousSettings.from_config(
+        run_id=params.run_id,
+        endpoint=params.endpoint if endpoint is None else endpoint,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        config=params.config,
+        default_port=default_port,
+    )

@@ -1,0 +1,135 @@
+"""The rendezvous state: node ids, the round record (versioned JSON, never pickle), key layout.
+
+Keys of run ``R`` (relative to the backend's store)::
+
+    rdzv/R/alive/{node}       session-bound (native) or leased (etcd): the node lives
+    rdzv/R/join/{T}/{node}    session-bound: the node wants to be in round T
+    rdzv/R/ctl/round          the round record (JSON), written once per round by compare-and-set
+    rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten)
+    rdzv/R/ctl/restart/{T}    round T must be replaced (a participant was lost, a node waits)
+    rdzv/R/ctl/boot/{T}       "addr:port" of round T's worker store (hosted by its rank 0)
+    rdzv/R/ctl/closed         the job is closed
+
+Waiting nodes watch ``ctl/`` only: O(1) events per node per round.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+__all__ = ["SCHEMA", "Keys", "NodeId", "RoundState", "node_sort_key"]
+
+SCHEMA = 1
+
+
+@dataclass(frozen=True, order=False)
+class NodeId:
+    """A node: its address, its process id and a local id (several handlers in one process are
+    distinct nodes). Rendered as ``addr-pid-local``; the address may hold ``:`` (IPv6)."""
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __str__(self) -> str:
+        return f"{self.addr}-{self.pid}-{self.local_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> NodeId:
+        addr, pid, local_id = text.rsplit("-", 2)
+        return cls(addr, int(pid), int(local_id))
+
+
+def node_sort_key(node: str) -> tuple[int, int, str, int, int]:
+    """Deterministic order of new nodes: by numeric address, then pid and local id."""
+    try:
+        parsed = NodeId.parse(node)
+    except ValueError:
+        return (2, 0, node, 0, 0)
+    try:
+        ip = ipaddress.ip_address(parsed.addr)
+        return (0, ip.version, f"{int(ip):040d}", parsed.pid, parsed.local_id)
+    except ValueError:
+        return (1, 0, parsed.addr, parsed.pid, parsed.local_id)
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """Round ``round``: ``participants`` in rank order, ``standby`` beyond ``max_nodes``."""
+
+    round: int
+    participants: tuple[str, ...]
+    standby: tuple[str, ...] = field(default=())
+
+    def rank_of(self, node: str) -> int | None:
+        try:
+            return self.participants.index(node)
+        except ValueError:
+            return None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.participants)
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "schema": SCHEMA,
+                "round": self.round,
+                "participants": list(self.participants),
+                "standby": list(self.standby),
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RoundState:
+        try:
+            obj: Any = json.loads(data)
+            if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+                raise ValueError(f"schema {obj.get('schema') if isinstance(obj, dict) else obj!r}")
+            rnd, parts, standby = obj["round"], obj["participants"], obj["standby"]
+            if not isinstance(rnd, int) or rnd < 1:
+                raise ValueError(f"round {rnd!r}")
+            if not all(isinstance(p, str) for p in [*parts, *standby]):
+                raise ValueError("node ids must be strings")
+            return cls(rnd, tuple(parts), tuple(standby))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousStateError(
+                f"the rendezvous round record is not valid (expected schema {SCHEMA} JSON): "
+                f"{exc}: {data[:200]!r}"
+            ) from None
+
+
+class Keys:
+    """The key names of one run (see the module doc)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.base = f"rdzv/{run_id}/"
+        self.alive_prefix = self.base + "alive/"
+        self.ctl = self.base + "ctl/"
+        self.round = self.ctl + "round"
+        self.closed = self.ctl + "closed"
+
+    def alive(self, node: str) -> str:
+        return self.alive_prefix + node
+
+    def join_prefix(self, target: int) -> str:
+        return f"{self.base}join/{target}/"
+
+    def join(self, target: int, node: str) -> str:
+        return self.join_prefix(target) + node
+
+    def decider(self, target: int) -> str:
+        return f"{self.ctl}decider/{target}"
+
+    def restart(self, rnd: int) -> str:
+        return f"{self.ctl}restart/{rnd}"
+
+    def boot(self, rnd: int) -> str:
+        return f"{self.ctl}boot/{rnd}"
