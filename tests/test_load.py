@@ -19,9 +19,9 @@ import load  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-CONNECTIONS = int(os.environ.get("ELASTICSTORE_LOAD_CONNECTIONS", "1024"))
+CONNECTIONS = int(os.environ.get("ELASTICSTORE_LOAD_CONNECTIONS", "2048"))
 OPS = int(os.environ.get("ELASTICSTORE_LOAD_OPS", "100"))
-HOSTILE = int(os.environ.get("ELASTICSTORE_LOAD_HOSTILE", "256"))
+HOSTILE = int(os.environ.get("ELASTICSTORE_LOAD_HOSTILE", "512"))
 MAX_RSS_MIB = 256
 
 
