@@ -25,8 +25,13 @@ namespace {
 // ---- Server -----------------------------------------------------------------------------------
 class PyServer {
  public:
+  // A limit out of range raises ValueError naming it (std::invalid_argument from the Server).
   PyServer(const std::string& host, int port, int backlog, std::size_t max_connections,
-           const std::string& log_level) {
+           const std::string& log_level, std::size_t max_connections_per_peer,
+           std::size_t max_key_bytes, std::size_t max_value_bytes, std::size_t max_keys_per_request,
+           std::size_t max_connection_buffer_bytes, std::size_t max_buffered_bytes,
+           std::size_t max_waiters_per_connection, std::size_t max_stored_keys,
+           std::size_t max_stored_bytes, uint32_t frame_timeout_ms, uint32_t handshake_timeout_ms) {
     if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
     es::ServerConfig config;
     config.host = host;
@@ -34,6 +39,17 @@ class PyServer {
     config.backlog = backlog;
     config.max_connections = max_connections;
     config.log_level = parse_log_level(log_level);
+    config.max_connections_per_peer = max_connections_per_peer;
+    config.limits.max_key_bytes = max_key_bytes;
+    config.limits.max_value_bytes = max_value_bytes;
+    config.limits.max_keys_per_request = max_keys_per_request;
+    config.max_connection_buffer_bytes = max_connection_buffer_bytes;
+    config.max_buffered_bytes = max_buffered_bytes;
+    config.limits.max_waiters_per_connection = max_waiters_per_connection;
+    config.limits.max_stored_keys = max_stored_keys;
+    config.limits.max_stored_bytes = max_stored_bytes;
+    config.frame_timeout_ms = frame_timeout_ms;
+    config.handshake_timeout_ms = handshake_timeout_ms;
     server_ = std::make_unique<es::Server>(config);
   }
   ~PyServer() {
@@ -107,10 +123,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("compacted"));
 
   py::class_<PyServer>(m, "Server")
-      .def(py::init<const std::string&, int, int, std::size_t, const std::string&>(),
+      .def(py::init<const std::string&, int, int, std::size_t, const std::string&, std::size_t,
+                    std::size_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t,
+                    std::size_t, std::size_t, uint32_t, uint32_t>(),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("backlog") = 0, py::arg("max_connections") = es::kDefaultMaxConnections,
-           py::arg("log_level") = "warning")
+           py::arg("log_level") = "warning",
+           py::arg("max_connections_per_peer") = es::kDefaultMaxConnectionsPerPeer,
+           py::arg("max_key_bytes") = es::kMaxKeyBytes, py::arg("max_value_bytes") = es::kMaxValueBytes,
+           py::arg("max_keys_per_request") = es::kMaxKeysPerRequest,
+           py::arg("max_connection_buffer_bytes") = es::kMaxWriteBufferBytes,
+           py::arg("max_buffered_bytes") = es::kMaxBufferedBytes,
+           py::arg("max_waiters_per_connection") = es::kDefaultMaxWaitersPerConnection,
+           py::arg("max_stored_keys") = es::kDefaultMaxStoredKeys,
+           py::arg("max_stored_bytes") = es::kDefaultMaxStoredBytes,
+           py::arg("frame_timeout_ms") = es::kFrameTimeoutMs,
+           py::arg("handshake_timeout_ms") = es::kHandshakeTimeoutMs)
       .def_property_readonly("host", [](PyServer& s) { return s.get().host(); })
       .def_property_readonly("port", [](PyServer& s) { return s.get().port(); })
       .def_property_readonly("running", [](PyServer& s) { return s.get().running(); })

@@ -40,26 +40,38 @@ std::string over(const char* what, std::size_t n, std::size_t limit) {
 // TOO_LARGE reply (the frame is well-formed) rather than a closed connection.
 std::string_view field(Reader& r) { return r.bytes(kMaxFrameBytes); }
 
+const StoreLimits& limits(Request& q) { return q.ctx.kv.limits(); }
+
 bool key_too_large(Request& q, std::string_view key) {
-  if (key.size() <= kMaxKeyBytes) return false;
-  refuse(q, Status::TooLarge, over("key", key.size(), kMaxKeyBytes));
+  if (key.size() <= limits(q).max_key_bytes) return false;
+  refuse(q, Status::TooLarge, over("key", key.size(), limits(q).max_key_bytes));
   return true;
 }
 bool value_too_large(Request& q, std::string_view value) {
-  if (value.size() <= kMaxValueBytes) return false;
-  refuse(q, Status::TooLarge, over("value", value.size(), kMaxValueBytes));
+  if (value.size() <= limits(q).max_value_bytes) return false;
+  refuse(q, Status::TooLarge, over("value", value.size(), limits(q).max_value_bytes));
   return true;
 }
+// Refuses a write the store has no room for (max_stored_keys / max_stored_bytes) with TOO_LARGE.
+bool store_full(Request& q, bool fits, const std::string& why) {
+  if (fits) return false;
+  refuse(q, Status::TooLarge, why);
+  return true;
+}
+// The longest decimal int64 ADD stores.
+constexpr std::size_t kMaxCounterBytes = 20;
 
 // Reads `keys`; a count or key over its limit is reported in *too_large (the rest still parsed, so
 // that a malformed frame is still recognised) and nothing over the limit is stored.
-void read_keys(Reader& r, std::vector<std::string_view>* keys, std::string* too_large) {
+void read_keys(const StoreLimits& lim, Reader& r, std::vector<std::string_view>* keys,
+               std::string* too_large) {
   const uint32_t n = r.count(UINT32_MAX, 4);
-  if (n > kMaxKeysPerRequest) *too_large = over("key count", n, kMaxKeysPerRequest);
+  if (n > lim.max_keys_per_request) *too_large = over("key count", n, lim.max_keys_per_request);
   else keys->reserve(n);
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
     std::string_view k = field(r);
-    if (k.size() > kMaxKeyBytes && too_large->empty()) *too_large = over("key", k.size(), kMaxKeyBytes);
+    if (k.size() > lim.max_key_bytes && too_large->empty())
+      *too_large = over("key", k.size(), lim.max_key_bytes);
     if (too_large->empty()) keys->push_back(k);
   }
 }
@@ -82,6 +94,8 @@ Outcome op_set(Request& q) {
   const uint8_t flags = q.r.u8();
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, key) || value_too_large(q, value)) return Outcome::Replied;
+  std::string why;
+  if (store_full(q, q.ctx.kv.fits(key, value.size(), &why), why)) return Outcome::Replied;
   const uint64_t rev = q.ctx.kv.set(q.ctx.conn, key, value, flags & kFlagEphemeral);
   Reply(q.ctx.out, Status::Ok, q.id).w.u64(rev);
   return Outcome::Replied;
@@ -113,6 +127,8 @@ Outcome op_add(Request& q) {
   const int64_t delta = q.r.i64();
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, key)) return Outcome::Replied;
+  std::string why;
+  if (store_full(q, q.ctx.kv.fits(key, kMaxCounterBytes, &why), why)) return Outcome::Replied;
   int64_t v = 0;
   if (q.ctx.kv.add(key, delta, &v) != Status::Ok)
     return refuse(q, Status::WrongType, "ADD: the value is not a decimal int64, or overflowed");
@@ -128,6 +144,10 @@ Outcome op_compare_set(Request& q) {
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, key) || value_too_large(q, expected) || value_too_large(q, desired))
     return Outcome::Replied;
+  const Entry* e = q.ctx.kv.find(key);
+  std::string why;
+  const bool swaps = e ? e->value == expected : expected.empty();
+  if (swaps && store_full(q, q.ctx.kv.fits(key, desired.size(), &why), why)) return Outcome::Replied;
   const CasResult r = q.ctx.kv.compare_set(q.ctx.conn, key, expected, desired, flags & kFlagEphemeral);
   Reply rep(q.ctx.out, Status::Ok, q.id);
   rep.w.u8(r.swapped);
@@ -139,7 +159,7 @@ Outcome op_compare_set(Request& q) {
 Outcome wait_like(Request& q, WaitKind kind) {
   std::vector<std::string_view> keys;
   std::string too_large;
-  read_keys(q.r, &keys, &too_large);
+  read_keys(limits(q), q.r, &keys, &too_large);
   const uint32_t timeout = q.r.u32();
   if (!q.r.done()) return Outcome::Malformed;
   if (!too_large.empty()) return refuse(q, Status::TooLarge, too_large);
@@ -152,7 +172,7 @@ Outcome op_multi_get(Request& q) { return wait_like(q, WaitKind::MultiGet); }
 Outcome op_check(Request& q) {
   std::vector<std::string_view> keys;
   std::string too_large;
-  read_keys(q.r, &keys, &too_large);
+  read_keys(limits(q), q.r, &keys, &too_large);
   if (!q.r.done()) return Outcome::Malformed;
   if (!too_large.empty()) return refuse(q, Status::TooLarge, too_large);
   Reply(q.ctx.out, Status::Ok, q.id).w.u8(q.ctx.kv.check(keys) ? 1 : 0);
@@ -192,9 +212,14 @@ Outcome op_append(Request& q) {
   auto value = field(q.r);
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, key) || value_too_large(q, value)) return Outcome::Replied;
+  const Entry* e = q.ctx.kv.find(key);
+  std::string why;
+  if (store_full(q, q.ctx.kv.fits(key, (e ? e->value.size() : 0) + value.size(), &why), why))
+    return Outcome::Replied;
   uint64_t rev = 0;
   if (q.ctx.kv.append(key, value, &rev) != Status::Ok)
-    return refuse(q, Status::TooLarge, "APPEND: the value would exceed " + std::to_string(kMaxValueBytes) + " bytes");
+    return refuse(q, Status::TooLarge, "APPEND: the value would exceed " +
+                                           std::to_string(limits(q).max_value_bytes) + " bytes");
   Reply(q.ctx.out, Status::Ok, q.id).w.u64(rev);
   return Outcome::Replied;
 }
@@ -203,16 +228,19 @@ Outcome op_multi_set(Request& q) {
   const uint32_t n = q.r.count(UINT32_MAX, 8);
   std::vector<std::pair<std::string_view, std::string_view>> kvs;
   std::string too_large;
-  if (n > kMaxKeysPerRequest) too_large = over("key count", n, kMaxKeysPerRequest);
+  const StoreLimits& lim = limits(q);
+  if (n > lim.max_keys_per_request) too_large = over("key count", n, lim.max_keys_per_request);
   for (uint32_t i = 0; i < n && q.r.ok(); ++i) {
     auto k = field(q.r);
     auto v = field(q.r);
-    if (too_large.empty() && k.size() > kMaxKeyBytes) too_large = over("key", k.size(), kMaxKeyBytes);
-    if (too_large.empty() && v.size() > kMaxValueBytes) too_large = over("value", v.size(), kMaxValueBytes);
+    if (too_large.empty() && k.size() > lim.max_key_bytes) too_large = over("key", k.size(), lim.max_key_bytes);
+    if (too_large.empty() && v.size() > lim.max_value_bytes)
+      too_large = over("value", v.size(), lim.max_value_bytes);
     if (too_large.empty()) kvs.emplace_back(k, v);
   }
   if (!q.r.done()) return Outcome::Malformed;
   if (!too_large.empty()) return refuse(q, Status::TooLarge, too_large);  // all or nothing
+  if (store_full(q, q.ctx.kv.fits_all(kvs, &too_large), too_large)) return Outcome::Replied;
   uint64_t rev = q.ctx.kv.revision();
   for (const auto& [k, v] : kvs) rev = q.ctx.kv.set(q.ctx.conn, k, v, false);
   Reply(q.ctx.out, Status::Ok, q.id).w.u64(rev);
@@ -224,6 +252,8 @@ Outcome op_queue_push(Request& q) {
   auto value = field(q.r);
   if (!q.r.done()) return Outcome::Malformed;
   if (key_too_large(q, queue) || value_too_large(q, value)) return Outcome::Replied;
+  std::string why;
+  if (store_full(q, q.ctx.kv.fits_queue_item(queue, value.size(), &why), why)) return Outcome::Replied;
   Reply(q.ctx.out, Status::Ok, q.id).w.i64(q.ctx.kv.queue_push(queue, value));
   return Outcome::Replied;
 }
@@ -292,116 +322,6 @@ constexpr Handler kHandlers[kMaxOp + 1] = {
     op_ping,        op_barrier,    op_watch,   op_stats,
 };
 
-// The payload bytes of a completion's reply, or SIZE_MAX when a value it names is gone (only
-// defensive: nothing deletes keys between a completion and its encoding).
-constexpr std::size_t kGone = SIZE_MAX;
-std::size_t keys_bytes(const std::vector<std::string>& ks) {
-  std::size_t n = 4;
-  for (const auto& k : ks) n += 4 + k.size();
-  return n;
-}
-std::size_t payload_bytes(const Completion& c, const KvState& kv) {
-  if (c.status == Status::Error || c.status == Status::TooLarge) return 4 + c.key.size();
-  const bool ok = c.status == Status::Ok;
-  switch (c.kind) {
-    case WaitKind::Get: {
-      if (!ok) return 0;
-      const Entry* e = kv.find(c.key);
-      return e ? 4 + e->value.size() + 8 : kGone;
-    }
-    case WaitKind::Wait:
-    case WaitKind::WaitOrQueue: return ok ? 0 : keys_bytes(c.values);
-    case WaitKind::MultiGet: {
-      if (!ok) return keys_bytes(c.values);
-      std::size_t n = 4;
-      for (const auto& k : c.values) {  // totals first: nothing is copied for a refused reply
-        const Entry* e = kv.find(k);
-        if (!e) return kGone;
-        n += 4 + e->value.size();
-      }
-      return n;
-    }
-    case WaitKind::QueuePop: return ok ? 4 + c.values.at(0).size() : 0;
-    case WaitKind::Barrier: return 8;  // generation, or arrived + world_size
-    case WaitKind::Watch: return (ok ? 1 + 4 + c.key.size() + 4 + c.value->size() : 0) + 8;
-  }
-  return 0;
-}
-
-// Appends the reply of a completion (payload_bytes() said it fits and all it names exists).
-void encode_completion(const Completion& c, const KvState& kv, std::string& out) {
-  const auto id = static_cast<uint32_t>(c.tag);
-  if (c.status == Status::Error || c.status == Status::TooLarge) {
-    Reply(out, c.status, id).w.bytes(c.key);
-    return;
-  }
-  Reply rep(out, c.status, id);
-  Writer& w = rep.w;
-  const bool ok = c.status == Status::Ok;
-  switch (c.kind) {
-    case WaitKind::Get:
-      if (ok) {
-        const Entry* e = kv.find(c.key);
-        w.bytes(e->value);
-        w.u64(e->mod_revision);
-      }
-      break;
-    case WaitKind::Wait:
-    case WaitKind::WaitOrQueue:
-      if (!ok) w.keys(c.values);
-      break;
-    case WaitKind::MultiGet:
-      if (ok) {
-        w.u32(static_cast<uint32_t>(c.values.size()));
-        for (const auto& k : c.values) w.bytes(kv.find(k)->value);
-      } else {
-        w.keys(c.values);
-      }
-      break;
-    case WaitKind::QueuePop:
-      if (ok) w.bytes(c.values.at(0));
-      break;
-    case WaitKind::Barrier:
-      if (ok) {
-        w.u64(c.revision);
-      } else {
-        w.u32(c.arrived);
-        w.u32(c.world_size);
-      }
-      break;
-    case WaitKind::Watch:
-      if (ok) {
-        w.u8(static_cast<uint8_t>(c.event));
-        w.bytes(c.key);
-        w.bytes(*c.value);
-      }
-      w.u64(c.revision);  // the event's, the current (TIMEOUT) or the oldest held (COMPACTED)
-      break;
-  }
-}
-
-// Over kMaxReplyBytes: TOO_LARGE (the peer asked for too much). Over `room`: no reply, close (the
-// peer does not read what it asked for).
-bool encode_bounded(const Completion& c, const KvState& kv, std::string& out, std::size_t room,
-                    std::string* reason) {
-  const auto id = static_cast<uint32_t>(c.tag);
-  const std::size_t payload = payload_bytes(c, kv);
-  if (payload == kGone) {
-    Reply(out, Status::Error, id).w.bytes("a key of the reply was deleted before it was sent");
-    return true;
-  }
-  if (payload > kMaxReplyBytes) {
-    Reply(out, Status::TooLarge, id).w.bytes(over("reply", payload, kMaxReplyBytes));
-    return true;
-  }
-  if (kFrameHeaderBytes + payload > room) {
-    *reason = "not reading its replies: a reply of " + std::to_string(payload) +
-              " bytes does not fit the " + std::to_string(room) + " bytes left of its output limit";
-    return false;
-  }
-  encode_completion(c, kv, out);
-  return true;
-}
 
 class NativeCodec final : public Codec {
  public:
@@ -443,7 +363,7 @@ class NativeCodec final : public Codec {
 
   bool complete(const Completion& c, const KvState& kv, std::string& out, std::size_t room,
                 std::string* reason) override {
-    return encode_bounded(c, kv, out, room, reason);
+    return encode_native_completion(c, kv, out, room, reason);
   }
 
  private:

@@ -50,6 +50,10 @@ class Codec {
   virtual bool handshake_done() const noexcept = 0;
 };
 
+// The native codec's reply to a completion (native_replies.cpp); the contract of Codec::complete.
+bool encode_native_completion(const Completion& c, const KvState& kv, std::string& out,
+                              std::size_t room, std::string* reason);
+
 // The native codec; expects the preamble to have been consumed already.
 std::unique_ptr<Codec> make_native_codec();
 // torch's TCPStore protocol (tcpstore_codec.cpp); starts at the client's VALIDATE request.

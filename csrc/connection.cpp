@@ -20,8 +20,8 @@ const char* state_name(ConnState s) noexcept {
   return "?";
 }
 
-Connection::Connection(int fd, ConnId id, std::string peer) noexcept
-    : fd_(fd), id_(id), peer_(std::move(peer)) {}
+Connection::Connection(int fd, ConnId id, std::string peer, std::size_t max_output_bytes) noexcept
+    : fd_(fd), id_(id), peer_(std::move(peer)), max_output_(max_output_bytes) {}
 
 Connection::~Connection() {
   if (fd_ >= 0) ::close(fd_);
@@ -96,7 +96,9 @@ std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size
     host.count_request();
     if (state_ == ConnState::Handshaking && codec_->handshake_done()) set_state(ConnState::Serving);
     host.drain_ready();  // this connection's own completions land in out_ in request order
-    if (out_.size() > kMaxWriteBufferBytes) fail("write buffer over kMaxWriteBufferBytes", false);
+    if (out_.size() > max_output_)
+      fail("unsent replies over the limit of " + std::to_string(max_output_) +
+               " bytes (max_connection_buffer_bytes)", false);
   }
   return used;
 }
@@ -166,7 +168,7 @@ bool Connection::deliver(const Completion& c, const KvState& kv, std::size_t glo
   if (state_ == ConnState::Closing || !codec_) return true;
   // Give the kernel what it takes first, so that only output the peer really left unread counts.
   if (out_.size() > kOutputPauseBytes && !flush()) return false;
-  const std::size_t own_room = out_.size() < kMaxWriteBufferBytes ? kMaxWriteBufferBytes - out_.size() : 0;
+  const std::size_t own_room = out_.size() < max_output_ ? max_output_ - out_.size() : 0;
   const bool budget_bound = global_room < own_room;
   std::string reason;
   if (!codec_->complete(c, kv, out_.tail(), budget_bound ? global_room : own_room, &reason)) {

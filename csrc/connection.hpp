@@ -35,7 +35,9 @@ class ConnectionHost : public StatsSource {
 
 class Connection {
  public:
-  Connection(int fd, ConnId id, std::string peer) noexcept;
+  // `max_output_bytes`: unsent replies past which the connection closes (kMaxWriteBufferBytes by
+  // default; ServerConfig::max_connection_buffer_bytes).
+  Connection(int fd, ConnId id, std::string peer, std::size_t max_output_bytes = kMaxWriteBufferBytes) noexcept;
   ~Connection();  // closes the socket
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -73,10 +75,12 @@ class Connection {
 
   // Server bookkeeping.
   EventLoop::TimerId frame_timer = 0;
+  EventLoop::TimerId handshake_timer = 0;  // armed at accept, until the handshake is done
   uint32_t events = 0;          // kReadable/kWritable registered with the loop
   bool dirty = false;           // in the server's flush list
   bool queued_close = false;    // session closed, awaiting reaping
   std::size_t accounted = 0;    // bytes counted in the server's bytes_buffered
+  std::string peer_ip;          // counted in the server's per-address connection count
 
  private:
   std::size_t handle(ConnectionHost& host, const char* data, std::size_t size);
@@ -85,6 +89,7 @@ class Connection {
   int fd_;
   ConnId id_;
   std::string peer_;
+  std::size_t max_output_;
   ConnState state_ = ConnState::AwaitingPreamble;
   std::unique_ptr<Codec> codec_;
   Buffer in_;   // only an incomplete request is kept here between reads

@@ -20,7 +20,51 @@ bool parse_int64(const std::string& s, int64_t* out) {
 }
 }  // namespace
 
-KvState::KvState(Clock clock) : clock_(clock ? clock : &steady_ms) {}
+KvState::KvState(Clock clock, StoreLimits limits)
+    : clock_(clock ? clock : &steady_ms), limits_(limits) {}
+
+// ---- quota -------------------------------------------------------------------------------------
+
+bool KvState::within(std::size_t entries, std::size_t bytes, std::string* why) const {
+  if (entries > limits_.max_stored_keys) {
+    *why = "store full: " + std::to_string(entries) + " keys and queued items, over the limit of " +
+           std::to_string(limits_.max_stored_keys) + " (max_stored_keys)";
+    return false;
+  }
+  if (bytes > limits_.max_stored_bytes) {
+    *why = "store full: " + std::to_string(bytes) + " bytes stored, over the limit of " +
+           std::to_string(limits_.max_stored_bytes) + " (max_stored_bytes)";
+    return false;
+  }
+  return true;
+}
+
+bool KvState::fits(std::string_view key, std::size_t value_bytes, std::string* why) const {
+  const Entry* e = find(key);
+  if (e) {
+    const std::size_t old = e->value.size();
+    return value_bytes <= old || within(stored_entries_, stored_bytes_ + value_bytes - old, why);
+  }
+  return within(stored_entries_ + 1, stored_bytes_ + key.size() + value_bytes, why);
+}
+
+bool KvState::fits_all(const std::vector<std::pair<std::string_view, std::string_view>>& kvs,
+                       std::string* why) const {
+  std::size_t entries = stored_entries_, bytes = stored_bytes_;
+  for (const auto& [k, v] : kvs) {
+    if (const Entry* e = find(k)) {
+      if (v.size() > e->value.size()) bytes += v.size() - e->value.size();
+    } else {
+      ++entries;
+      bytes += k.size() + v.size();
+    }
+  }
+  return within(entries, bytes, why);
+}
+
+bool KvState::fits_queue_item(std::string_view queue, std::size_t value_bytes, std::string* why) const {
+  return within(stored_entries_ + 1, stored_bytes_ + queue.size() + value_bytes, why);
+}
 
 // ---- sessions ----------------------------------------------------------------------------------
 
@@ -68,6 +112,11 @@ void KvState::bind(Entry& e, std::string_view key, ConnId conn, bool ephemeral) 
 uint64_t KvState::set(ConnId conn, std::string_view key, std::string_view value, bool ephemeral) {
   bool created = false;
   Entry& e = upsert(key, &created);
+  if (created) {
+    ++stored_entries_;
+    stored_bytes_ += key.size();
+  }
+  charge_value(e.value.size(), value.size());
   e.value.assign(value);
   bind(e, key, conn, ephemeral);
   const uint64_t rev = e.mod_revision = record(EventKind::Set, key, value);
@@ -81,7 +130,13 @@ Status KvState::add(std::string_view key, int64_t delta, int64_t* out) {
   if (__builtin_add_overflow(cur, delta, out)) return Status::WrongType;
   bool created = false;
   Entry& e = upsert(key, &created);
-  e.value = std::to_string(*out);
+  std::string text = std::to_string(*out);
+  if (created) {
+    ++stored_entries_;
+    stored_bytes_ += key.size();
+  }
+  charge_value(e.value.size(), text.size());
+  e.value = std::move(text);
   e.mod_revision = record(EventKind::Set, key, e.value);
   if (created) key_created(std::string(key));
   return Status::Ok;
@@ -119,6 +174,8 @@ bool KvState::queue_try_pop(std::string_view queue, std::string* out) {
   if (it == queues_.end() || it->second.empty()) return false;
   *out = std::move(it->second.front());
   it->second.pop_front();
+  --stored_entries_;
+  stored_bytes_ -= queue.size() + out->size();
   if (it->second.empty()) {
     queues_.erase(it);
     queue_drained(std::string(queue));
@@ -134,6 +191,8 @@ bool KvState::erase(std::string_view key) {
     if (s != sessions_.end()) s->second.owned.erase(it->first);
   }
   const std::string name = it->first;
+  --stored_entries_;
+  stored_bytes_ -= name.size() + it->second.value.size();
   keys_.erase(it);
   record(EventKind::Delete, name, {});
   key_deleted(name);
@@ -152,10 +211,15 @@ std::vector<const std::string*> KvState::list_keys(std::string_view prefix) cons
 }
 
 Status KvState::append(std::string_view key, std::string_view value, uint64_t* revision) {
-  if (const Entry* e = find(key); e && e->value.size() + value.size() > kMaxValueBytes)
+  if (const Entry* e = find(key); e && e->value.size() + value.size() > limits_.max_value_bytes)
     return Status::TooLarge;
   bool created = false;
   Entry& e = upsert(key, &created);
+  if (created) {
+    ++stored_entries_;
+    stored_bytes_ += key.size();
+  }
+  stored_bytes_ += value.size();
   e.value.append(value);
   *revision = e.mod_revision = record(EventKind::Set, key, e.value);
   if (created) key_created(std::string(key));
@@ -175,6 +239,8 @@ int64_t KvState::queue_push(std::string_view queue, std::string_view value) {
   const std::string name(queue);
   auto& q = queues_[name];
   q.emplace_back(value);
+  ++stored_entries_;
+  stored_bytes_ += name.size() + value.size();
   const auto len = static_cast<int64_t>(q.size());
   if (len == 1) queue_filled(name);
   return len;

@@ -21,6 +21,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "protocol.hpp"
@@ -63,6 +64,18 @@ struct Completion {
   uint32_t arrived = 0, world_size = 0;  // BARRIER TIMEOUT
 };
 
+// The limits KvState and the codecs enforce; each defaults to its constant in protocol.hpp and is
+// set from ServerConfig. Key, value and count limits may only be lowered (frames stay bounded by
+// kMaxFrameBytes).
+struct StoreLimits {
+  std::size_t max_key_bytes = kMaxKeyBytes;
+  std::size_t max_value_bytes = kMaxValueBytes;
+  std::size_t max_keys_per_request = kMaxKeysPerRequest;
+  std::size_t max_waiters_per_connection = kDefaultMaxWaitersPerConnection;
+  std::size_t max_stored_keys = kDefaultMaxStoredKeys;    // keys plus queued items
+  std::size_t max_stored_bytes = kDefaultMaxStoredBytes;  // their key/name and value bytes
+};
+
 struct Entry {
   std::string value;
   uint64_t mod_revision = 0;
@@ -85,7 +98,20 @@ struct HistoryEvent {
 class KvState {
  public:
   using Clock = uint64_t (*)();  // monotonic milliseconds
-  explicit KvState(Clock clock = nullptr);
+  explicit KvState(Clock clock = nullptr, StoreLimits limits = {});
+  const StoreLimits& limits() const noexcept { return limits_; }
+
+  // ---- quota (checked by the codecs before a write; nothing changes on refusal) ----
+  // Whether storing `value_bytes` under `key` (created or replaced) stays within max_stored_*;
+  // else *why says which limit.
+  bool fits(std::string_view key, std::size_t value_bytes, std::string* why) const;
+  // The same for several keys (MULTI_SET), counted as if each were stored alone, and for a queued
+  // item.
+  bool fits_all(const std::vector<std::pair<std::string_view, std::string_view>>& kvs,
+                std::string* why) const;
+  bool fits_queue_item(std::string_view queue, std::size_t value_bytes, std::string* why) const;
+  std::size_t stored_entries() const noexcept { return stored_entries_; }
+  std::size_t stored_bytes() const noexcept { return stored_bytes_; }
 
   // ---- sessions ----
   void open_session(ConnId conn);
@@ -200,7 +226,15 @@ class KvState {
   Entry& upsert(std::string_view key, bool* created);
   const HistoryEvent* first_match(const std::string& key, bool prefix, uint64_t after) const;
 
+  bool within(std::size_t entries, std::size_t bytes, std::string* why) const;
+  void charge_value(std::size_t old_bytes, std::size_t new_bytes) noexcept {
+    stored_bytes_ = stored_bytes_ - old_bytes + new_bytes;
+  }
+
   Clock clock_;
+  StoreLimits limits_;
+  std::size_t stored_entries_ = 0;  // keys plus queued items
+  std::size_t stored_bytes_ = 0;    // their key/name and value bytes
   uint64_t revision_ = 0;
   std::unordered_map<std::string, Entry> keys_;
   std::deque<HistoryEvent> history_;

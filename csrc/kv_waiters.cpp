@@ -101,7 +101,15 @@ std::size_t KvState::charge_for(std::size_t nkeys, std::size_t key_bytes) noexce
 }
 
 bool KvState::refuse_park(ConnId conn, uint64_t tag, WaitKind kind, std::size_t charge) {
-  const std::size_t mine = sessions_[conn].waiting_bytes;
+  const Session& session = sessions_[conn];
+  if (session.waiters.size() >= limits_.max_waiters_per_connection) {
+    Completion c = make(conn, tag, kind, Status::TooLarge);
+    c.key = "the connection has " + std::to_string(session.waiters.size()) +
+            " blocked requests, the limit (max_waiters_per_connection)";
+    ready_.push_back(std::move(c));
+    return true;
+  }
+  const std::size_t mine = session.waiting_bytes;
   const bool own = mine + charge > kMaxWaitingBytesPerConnection;
   if (!own && waiting_bytes_ + charge <= kMaxWaitingBytes) return false;
   Completion c = make(conn, tag, kind, Status::TooLarge);

@@ -47,6 +47,16 @@ inline constexpr std::size_t kMaxWaitingBytes = std::size_t{1024} * 1024 * 1024;
 inline constexpr uint32_t kFrameTimeoutMs = 30'000;
 inline constexpr std::size_t kMaxClientNameBytes = 256;
 inline constexpr std::size_t kDefaultMaxConnections = 65'536;
+// Connections open at once from one peer IP address; past it the accept is refused (logged).
+inline constexpr std::size_t kDefaultMaxConnectionsPerPeer = 8'192;
+// Blocked requests (GET, WAIT, QUEUE_POP, BARRIER, WATCH, ...) one connection may have parked.
+inline constexpr std::size_t kDefaultMaxWaitersPerConnection = 16'384;
+// What the store holds: keys plus queued items, and their key/name plus value bytes. A write that
+// would go past either is refused with TOO_LARGE ("store full"); torch's protocol: closed.
+inline constexpr std::size_t kDefaultMaxStoredKeys = 16 * 1024 * 1024;
+inline constexpr std::size_t kDefaultMaxStoredBytes = std::size_t{4} * 1024 * 1024 * 1024;
+// Time from accept until the handshake is done (native HELLO answered, torch VALIDATE).
+inline constexpr uint32_t kHandshakeTimeoutMs = 10'000;
 // Watch history: recent changes kept so that a watcher never misses one between two watches.
 // It must cover how far a watcher lags behind writers, not the data: a watcher further behind
 // gets COMPACTED and re-reads. The byte bound keeps a store of large values from doubling.

@@ -44,7 +44,7 @@ constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
 class Server::Impl final : public ConnectionHost {
  public:
-  explicit Impl(ServerConfig cfg) : cfg_(std::move(cfg)), loop_(new EventLoop()), kv_(&EventLoop::now_ms) {
+  explicit Impl(ServerConfig cfg) : cfg_(std::move(cfg)), loop_(new EventLoop()), kv_(&EventLoop::now_ms, cfg_.limits) {
     listen_fd_ = open_listener(cfg_);
     sockaddr_storage ss{};
     socklen_t len = sizeof ss;
@@ -200,6 +200,7 @@ class Server::Impl final : public ConnectionHost {
         return;
       }
       std::string peer = numeric_address(ss, true);
+      std::string ip = numeric_address(ss, false);
       if (conns_.size() >= cfg_.max_connections) {
         log(LogLevel::Warning, "refusing connection %s: max_connections (%zu) reached", peer.c_str(),
             cfg_.max_connections);
@@ -207,14 +208,27 @@ class Server::Impl final : public ConnectionHost {
         ++refused_;
         continue;
       }
+      std::size_t& from_peer = per_peer_[ip];
+      if (from_peer >= cfg_.max_connections_per_peer) {
+        log(LogLevel::Warning, "refusing connection %s: %zu connections from %s, the limit "
+            "(max_connections_per_peer)", peer.c_str(), from_peer, ip.c_str());
+        ::close(fd);
+        ++refused_;
+        continue;
+      }
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       const ConnId id = next_id_++;
-      auto conn = std::make_unique<Connection>(fd, id, std::move(peer));
+      auto conn = std::make_unique<Connection>(fd, id, std::move(peer), cfg_.max_connection_buffer_bytes);
       if (!loop_->add(fd, kReadable, &Impl::on_conn_event, this)) {
         log(LogLevel::Error, "cannot watch connection %s", conn->peer().c_str());
+        if (from_peer == 0) per_peer_.erase(ip);
         continue;  // the Connection closes fd
       }
+      ++from_peer;
+      conn->peer_ip = std::move(ip);
+      conn->handshake_timer =
+          loop_->add_timer(cfg_.handshake_timeout_ms, [this, id] { handshake_timeout(id); });
       conn->events = kReadable;
       if (by_fd_.size() <= static_cast<std::size_t>(fd)) by_fd_.resize(static_cast<std::size_t>(fd) + 1);
       by_fd_[static_cast<std::size_t>(fd)] = conn.get();
@@ -293,6 +307,16 @@ class Server::Impl final : public ConnectionHost {
     mark_closing(c);
   }
 
+  void handshake_timeout(ConnId id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Connection* c = it->second.get();
+    c->handshake_timer = 0;
+    if (c->state() != ConnState::AwaitingPreamble && c->state() != ConnState::Handshaking) return;
+    c->fail("handshake not finished within " + std::to_string(cfg_.handshake_timeout_ms) + " ms", true);
+    mark_closing(c);
+  }
+
   void over_budget(Connection* c) {
     c->fail("dropped to keep the server's buffers within their budget of " +
                 std::to_string(cfg_.max_buffered_bytes) + " bytes across connections (" +
@@ -330,7 +354,8 @@ class Server::Impl final : public ConnectionHost {
         "closing connection %s: %s", c->peer().c_str(), c->close_reason().c_str());
     loop_->remove(c->fd());
     if (c->frame_timer) loop_->cancel_timer(c->frame_timer);
-    c->frame_timer = 0;
+    if (c->handshake_timer) loop_->cancel_timer(c->handshake_timer);
+    c->frame_timer = c->handshake_timer = 0;
     account(c);
     closing_.push_back(c);
     if (draining_) {  // see drain_ready(): ended once the batch being encoded is done
@@ -358,6 +383,7 @@ class Server::Impl final : public ConnectionHost {
       if (c->dirty) dirty_.erase(std::remove(dirty_.begin(), dirty_.end(), c), dirty_.end());
       by_fd_[static_cast<std::size_t>(c->fd())] = nullptr;
       bytes_buffered_ -= c->accounted;
+      if (auto p = per_peer_.find(c->peer_ip); p != per_peer_.end() && --p->second == 0) per_peer_.erase(p);
       conns_.erase(c->id());
     }
     closing_.clear();
@@ -388,6 +414,7 @@ class Server::Impl final : public ConnectionHost {
   std::string host_;
   uint16_t port_ = 0;
   std::unordered_map<ConnId, std::unique_ptr<Connection>> conns_;
+  std::unordered_map<std::string, std::size_t> per_peer_;  // open connections per peer IP
   std::vector<Connection*> by_fd_;
   std::vector<Connection*> dirty_;    // replies appended, not yet flushed
   std::vector<Connection*> closing_;  // closed sessions awaiting reaping
@@ -408,6 +435,7 @@ class Server::Impl final : public ConnectionHost {
 };
 
 Server::Server(ServerConfig config) {
+  validate_config(config);
   set_log_level(config.log_level);
   impl_ = std::make_unique<Impl>(std::move(config));
 }

@@ -8,23 +8,40 @@
 #include <utility>
 #include <vector>
 
+#include "kv_state.hpp"
 #include "log.hpp"
 #include "protocol.hpp"
 
 namespace elasticstore {
 
+// Every limit defaults to its named constant (protocol.hpp); docs/protocol.md lists them. Server's
+// constructor refuses (std::invalid_argument, naming the field) a value outside its range:
+// validate_config() below.
 struct ServerConfig {
   std::string host = "127.0.0.1";  // numeric IPv4/IPv6, "" / "0.0.0.0" / "::" (dual-stack), "localhost"
   uint16_t port = 0;               // 0: the kernel picks; port() tells which
   int backlog = 0;                 // 0: /proc/sys/net/core/somaxconn
   std::size_t max_connections = kDefaultMaxConnections;
+  // Connections open at once from one peer IP address; past it the accept is refused (logged).
+  std::size_t max_connections_per_peer = kDefaultMaxConnectionsPerPeer;
   LogLevel log_level = LogLevel::Warning;
-  // Time a client has to finish a request it started; lowered only by tests.
+  // Time a client has to finish a request it started (a slow sender cannot hold a buffer).
   uint32_t frame_timeout_ms = kFrameTimeoutMs;
+  // Time from accept until the handshake is done (native HELLO, torch's VALIDATE).
+  uint32_t handshake_timeout_ms = kHandshakeTimeoutMs;
   // Budget of bytes buffered across connections (unfinished requests plus unsent replies); a
-  // connection that would take the total past it is closed. Lowered only by tests.
+  // connection that would take the total past it is closed.
   std::size_t max_buffered_bytes = kMaxBufferedBytes;
+  // Unsent replies of one connection (its unfinished request is bounded by kMaxFrameBytes): a reply
+  // that would go past it closes the connection. At least kOutputPauseBytes.
+  std::size_t max_connection_buffer_bytes = kMaxWriteBufferBytes;
+  // Key/value size and keys per request (at most their constants: frames stay bounded), blocked
+  // requests per connection, and what the store holds (keys plus queued items, their bytes).
+  StoreLimits limits;
 };
+
+// Throws std::invalid_argument naming the field and its range when a value is out of range.
+void validate_config(const ServerConfig& config);
 
 class Server {
  public:

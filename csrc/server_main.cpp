@@ -1,7 +1,7 @@
 // elasticstore-server: the store server as a native executable (no Python, no torch), for running
 // as a daemon. The same flags and output as `elasticstore server`:
 //
-//   elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
+//   elasticstore-server [--host H] [--port P] [--backlog N] [--log-level L] [limit flags]
 //
 // prints "elasticstore server listening on H:P" once it accepts connections and serves until
 // SIGINT or SIGTERM, then stops cleanly (exit 0). A bad flag exits 2 naming the flag and why; a
@@ -30,12 +30,27 @@ constexpr int kExitUsage = 2;
 
 const char* const kUsage =
     "usage: elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N]\n"
-    "                           [--log-level {debug,info,warning,error,off}]\n"
+    "                           [--log-level {debug,info,warning,error,off}] [limit flags]\n"
     "\n"
     "Serves an elasticstore (native and torch TCPStore protocols on one port) until SIGINT or\n"
     "SIGTERM. --host: numeric address to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
     "interface), --port: default 29400, 0 picks a free one; --backlog: 0 uses somaxconn;\n"
-    "--max-connections: default 65536; --log-level: default warning.\n";
+    "--max-connections: default 65536; --log-level: default warning.\n"
+    "\n"
+    "Limits (docs/protocol.md; default in brackets):\n"
+    "  --max-connections-per-peer N     connections from one IP address [8192]\n"
+    "  --max-key-bytes N                a key, 1..8192 [8192]\n"
+    "  --max-value-bytes N              a value, 1..8388608 [8388608]\n"
+    "  --max-keys-per-request N         keys in one request, 1..131072 [131072]\n"
+    "  --max-connection-buffer-bytes N  unsent replies of one connection, >= 1048576 [68157449]\n"
+    "  --max-buffered-bytes N           buffered across connections [1073741824]\n"
+    "  --max-waiters-per-connection N   blocked requests of one connection [16384]\n"
+    "  --max-stored-keys N              keys plus queued items stored [16777216]\n"
+    "  --max-stored-bytes N             their key and value bytes [4294967296]\n"
+    "  --frame-timeout-ms N             time to finish a request once started [30000]\n"
+    "  --handshake-timeout-ms N         time from connect to the end of the handshake [10000]\n";
+
+constexpr long long kHuge = 1LL << 50;
 
 [[noreturn]] void bad_flag(const std::string& flag, const std::string& why) {
   std::fprintf(stderr, "%s: argument %s: %s\n%s", kProg, flag.c_str(), why.c_str(), kUsage);
@@ -63,6 +78,44 @@ LogLevel parse_level(const std::string& flag, const std::string& text) {
   bad_flag(flag, "invalid choice: '" + text + "' (choose from debug, info, warning, error, off)");
 }
 
+// The limit flags: true when `flag` is one (its value parsed into cfg, or refused).
+bool parse_limit(ServerConfig& cfg, const std::string& flag, const std::string& value) {
+  const char* v = value.c_str();
+  auto size = [&](long long lo, long long hi, const char* what) {
+    return static_cast<std::size_t>(parse_int(flag, v, lo, hi, what));
+  };
+  auto ms = [&] { return static_cast<uint32_t>(parse_int(flag, v, 1, 0xFFFFFFFELL, "milliseconds >= 1")); };
+  using namespace elasticstore;
+  StoreLimits& lim = cfg.limits;
+  if (flag == "--max-connections-per-peer") {
+    cfg.max_connections_per_peer = size(1, kHuge, "a connection count >= 1");
+  } else if (flag == "--max-key-bytes") {
+    lim.max_key_bytes = size(1, kMaxKeyBytes, "a size in 1..8192 (the protocol's ceiling)");
+  } else if (flag == "--max-value-bytes") {
+    lim.max_value_bytes = size(1, kMaxValueBytes, "a size in 1..8388608 (the protocol's ceiling)");
+  } else if (flag == "--max-keys-per-request") {
+    lim.max_keys_per_request = size(1, kMaxKeysPerRequest, "a count in 1..131072 (the protocol's ceiling)");
+  } else if (flag == "--max-connection-buffer-bytes") {
+    cfg.max_connection_buffer_bytes =
+        size(kOutputPauseBytes, kHuge, "a size >= 1048576 (the bound at which reading pauses)");
+  } else if (flag == "--max-buffered-bytes") {
+    cfg.max_buffered_bytes = size(1, kHuge, "a size >= 1");
+  } else if (flag == "--max-waiters-per-connection") {
+    lim.max_waiters_per_connection = size(1, kHuge, "a count >= 1");
+  } else if (flag == "--max-stored-keys") {
+    lim.max_stored_keys = size(1, kHuge, "a count >= 1");
+  } else if (flag == "--max-stored-bytes") {
+    lim.max_stored_bytes = size(1, kHuge, "a size >= 1");
+  } else if (flag == "--frame-timeout-ms") {
+    cfg.frame_timeout_ms = ms();
+  } else if (flag == "--handshake-timeout-ms") {
+    cfg.handshake_timeout_ms = ms();
+  } else {
+    return false;
+  }
+  return true;
+}
+
 ServerConfig parse_args(int argc, char** argv) {
   ServerConfig cfg;
   cfg.port = kDefaultPort;
@@ -79,9 +132,9 @@ ServerConfig parse_args(int argc, char** argv) {
       flag.resize(eq);
     } else if (i + 1 < argc) {
       value = argv[++i];
-    } else if (flag == "--host" || flag == "--port" || flag == "--backlog" ||
-               flag == "--max-connections" || flag == "--log-level") {
-      bad_flag(flag, "expected one argument");
+    } else if (flag.rfind("--", 0) == 0 && flag.size() > 2) {
+      bad_flag(flag, std::strstr(kUsage, (flag + " ").c_str()) ? "expected one argument"
+                                                               : "unrecognized argument");
     } else {
       bad_flag(flag, "unrecognized argument");
     }
@@ -98,6 +151,7 @@ ServerConfig parse_args(int argc, char** argv) {
           parse_int(flag, value.c_str(), 1, 1LL << 40, "a connection count >= 1"));
     } else if (flag == "--log-level") {
       cfg.log_level = parse_level(flag, value);
+    } else if (parse_limit(cfg, flag, value)) {
     } else {
       bad_flag(flag, "unrecognized argument");
     }

@@ -11,6 +11,7 @@
 // a missing key in GET), the connection is closed with a logged reason instead of a made-up reply.
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
@@ -58,6 +59,7 @@ class TcpStoreCodec final : public Codec {
       if (reason->empty()) *reason = "request shorter than its scan";
       return Step::Close;
     }
+    if (!within_limits(ctx.kv.limits(), reason)) return Step::Close;
     if (!validated_ && req_.op != ts::Op::Validate) {
       *reason = std::string("torch client sent ") + ts::op_name(static_cast<uint8_t>(req_.op)) +
                 " before VALIDATE";
@@ -84,11 +86,62 @@ class TcpStoreCodec final : public Codec {
   }
 
  private:
+  // The server's configured key, value and count limits (the scanner enforces the compiled
+  // ceilings); torch's protocol has no error reply, so going past one closes the connection.
+  bool within_limits(const StoreLimits& lim, std::string* reason) const {
+    if (req_.keys.size() > lim.max_keys_per_request)
+      return fail(reason, "torch client: " + std::to_string(req_.keys.size()) +
+                              " keys in one request, over the limit of " +
+                              std::to_string(lim.max_keys_per_request));
+    for (auto k : req_.keys)
+      if (native_key(k).size() > lim.max_key_bytes)
+        return fail(reason, "torch client: a key of " + std::to_string(k.size()) +
+                                " bytes, over the limit of " + std::to_string(lim.max_key_bytes));
+    for (auto v : req_.values)
+      if (v.size() > lim.max_value_bytes)
+        return fail(reason, "torch client: a value of " + std::to_string(v.size()) +
+                                " bytes, over the limit of " + std::to_string(lim.max_value_bytes));
+    return true;
+  }
+  // Whether the write req_ asks for fits the store's quota (max_stored_*); torch's protocol has no
+  // error reply, so a write that does not closes the connection (nothing stored changes).
+  bool fits_quota(const KvState& kv, std::string* reason) const {
+    const std::string_view key = req_.keys.empty() ? std::string_view() : native_key(req_.keys[0]);
+    std::string why;
+    bool ok = true;
+    switch (req_.op) {
+      case ts::Op::Set: ok = kv.fits(key, req_.values[0].size(), &why); break;
+      case ts::Op::Add: ok = kv.fits(key, 20, &why); break;
+      case ts::Op::CompareSet: {
+        const Entry* e = kv.find(key);
+        if (e ? e->value == req_.values[0] : req_.values[0].empty())
+          ok = kv.fits(key, req_.values[1].size(), &why);
+        break;
+      }
+      case ts::Op::Append: {
+        const Entry* e = kv.find(key);
+        ok = kv.fits(key, (e ? e->value.size() : 0) + req_.values[0].size(), &why);
+        break;
+      }
+      case ts::Op::MultiSet: {
+        std::vector<std::pair<std::string_view, std::string_view>> kvs;
+        for (std::size_t i = 0; i < req_.keys.size(); ++i)
+          kvs.emplace_back(native_key(req_.keys[i]), req_.values[i]);
+        ok = kv.fits_all(kvs, &why);
+        break;
+      }
+      case ts::Op::QueuePush: ok = kv.fits_queue_item(key, req_.values[0].size(), &why); break;
+      default: break;
+    }
+    return ok || fail(reason, "torch client: " + why);
+  }
+
   // Serves req_; false closes the connection with *reason.
   bool handle(CommandContext& ctx, std::string* reason) {
     KvState& kv = ctx.kv;
     std::string& out = ctx.out;
     const std::string_view key = req_.keys.empty() ? std::string_view() : native_key(req_.keys[0]);
+    if (!fits_quota(kv, reason)) return false;
     switch (req_.op) {
       case ts::Op::Validate:
         if (req_.word != ts::kValidationMagic) {
@@ -138,7 +191,7 @@ class TcpStoreCodec final : public Codec {
         uint64_t rev = 0;
         if (kv.append(key, req_.values[0], &rev) != Status::Ok)
           return fail(reason, "APPEND would grow key \"" + std::string(key) + "\" past " +
-                                  std::to_string(kMaxValueBytes) + " bytes");
+                                  std::to_string(kv.limits().max_value_bytes) + " bytes");
         return true;
       }
       case ts::Op::MultiGet: return multi_get(kv, out, reason);

@@ -45,6 +45,18 @@ class Server:
         backlog: int = 0,  # 0: /proc/sys/net/core/somaxconn
         max_connections: int = 65536,
         log_level: Literal["debug", "info", "warning", "error", "off"] = "warning",
+        # Limits (docs/protocol.md "Limits"); a value out of range raises ValueError naming it.
+        max_connections_per_peer: int = 8192,  # connections from one IP address
+        max_key_bytes: int = 8192,  # at most 8192
+        max_value_bytes: int = 8388608,  # at most 8 MiB
+        max_keys_per_request: int = 131072,  # at most 131072
+        max_connection_buffer_bytes: int = 68157449,  # unsent replies of one connection, >= 1 MiB
+        max_buffered_bytes: int = 1073741824,  # buffered across connections
+        max_waiters_per_connection: int = 16384,  # blocked requests of one connection
+        max_stored_keys: int = 16777216,  # keys plus queued items
+        max_stored_bytes: int = 4294967296,  # their key and value bytes
+        frame_timeout_ms: int = 30000,  # time to finish a request once started
+        handshake_timeout_ms: int = 10000,  # time from connect to the end of the handshake
     ) -> None: ...
     @property
     def host(self) -> str: ...  # the numeric address bound

@@ -1,0 +1,268 @@
+"""Each limit of ``elasticstore-server`` set by its flag and hit: the request past it gets an error
+reply (``StoreError``) or its connection is closed with a logged reason, while other connections
+are served and nothing stored is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sysconfig
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import procs
+import pytest
+import torch.distributed as dist
+
+from elasticstore import Store, StoreError
+
+OP_HELLO, OP_SET, OP_GET, OP_PING = 1, 2, 3, 18
+NO_TIMEOUT = 0xFFFFFFFF
+TOO_LARGE = 4
+
+
+def _binary() -> str:
+    path = os.path.join(sysconfig.get_path("scripts"), "elasticstore-server")
+    assert os.access(path, os.X_OK), f"{path} is not installed with the package"
+    return path
+
+
+class Daemon:
+    def __init__(self, *flags: str) -> None:
+        self.proc = subprocess.Popen(
+            [_binary(), "--host", "127.0.0.1", "--port", "0", "--log-level", "info", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("elasticstore server listening on 127.0.0.1:"), line
+        self.port = int(line.strip().rsplit(":", 1)[1])
+
+    def store(self) -> Store:
+        return Store("127.0.0.1", self.port, timeout=timedelta(seconds=10))
+
+    def stop(self) -> str:
+        """Stops the server (SIGTERM, exit 0) and returns its log."""
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        assert self.proc.returncode == 0, err
+        return err
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[type[Daemon]]:
+    started: list[Daemon] = []
+
+    class Tracked(Daemon):
+        def __init__(self, *flags: str) -> None:
+            super().__init__(*flags)
+            started.append(self)
+
+    yield Tracked
+    procs.kill_all([d.proc for d in started])
+
+
+# ---- raw native frames --------------------------------------------------------------------------
+def _bytes(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def frame(op: int, rid: int, payload: bytes = b"") -> bytes:
+    return struct.pack("<IBI", 5 + len(payload), op, rid) + payload
+
+
+def get_frame(rid: int, key: bytes, timeout: int = NO_TIMEOUT) -> bytes:
+    return frame(OP_GET, rid, _bytes(key) + struct.pack("<I", timeout))
+
+
+def raw(port: int, greet: bool = True) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if greet:
+        s.sendall(b"ESTO" + frame(OP_HELLO, 1, struct.pack("<I", 1) + _bytes(b"raw")))
+        status, rid, _ = read_frame(s)
+        assert (status, rid) == (0, 1)
+    return s
+
+
+def read_frame(s: socket.socket) -> tuple[int, int, bytes]:
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = s.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return out
+
+    (body,) = struct.unpack("<I", exact(4))
+    rest = exact(body)
+    return rest[0], struct.unpack("<I", rest[1:5])[0], rest[5:]
+
+
+def closed_by_server(s: socket.socket, within: float = 10.0) -> bool:
+    s.settimeout(within)
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def wait_stat(store: Store, name: str, value: int, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while store.stats()[name] != value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats()[name] == value
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--max-key-bytes", "8193", "8192"),
+        ("--max-value-bytes", "0", "1..8388608"),
+        ("--max-keys-per-request", "x", "a count"),
+        ("--max-connection-buffer-bytes", "1000", "1048576"),
+        ("--max-connections-per-peer", "0", ">= 1"),
+        ("--max-stored-keys", "-1", ">= 1"),
+        ("--handshake-timeout-ms", "0", "milliseconds"),
+    ],
+)
+def test_a_bad_limit_value_names_the_flag(flag: str, value: str, why: str) -> None:
+    done = subprocess.run([_binary(), flag, value], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert f"argument {flag}: {value} is not" in done.stderr and why in done.stderr
+
+
+def test_help_lists_every_limit_flag() -> None:
+    out = subprocess.run([_binary(), "--help"], capture_output=True, text=True, timeout=30).stdout
+    for flag in ("--max-connections-per-peer", "--max-key-bytes", "--max-value-bytes",
+                 "--max-keys-per-request", "--max-connection-buffer-bytes", "--max-buffered-bytes",
+                 "--max-waiters-per-connection", "--max-stored-keys", "--max-stored-bytes",
+                 "--frame-timeout-ms", "--handshake-timeout-ms"):
+        assert flag in out
+
+
+# ---- limits hit ---------------------------------------------------------------------------------
+def test_key_value_and_count_limits(daemon_factory: type[Daemon]) -> None:
+    d = daemon_factory("--max-key-bytes", "32", "--max-value-bytes", "1000",
+                       "--max-keys-per-request", "3")
+    with d.store() as store:
+        store.set("k" * 32, b"v" * 1000)
+        with pytest.raises(StoreError, match="key of 33 over the limit of 32"):
+            store.set("k" * 33, b"v")
+        with pytest.raises(StoreError, match="value of 1001 over the limit of 1000"):
+            store.set("k", b"v" * 1001)
+        with pytest.raises(StoreError, match="key count of 4 over the limit of 3"):
+            store.multi_get(["a", "b", "c", "d"])
+        with pytest.raises(StoreError, match="exceed 1000 bytes"):
+            store.append("k" * 32, b"x")
+        assert store.get("k" * 32) == b"v" * 1000  # the same connection, nothing lost
+    d.stop()
+
+
+def test_stored_keys_and_bytes_quota(daemon_factory: type[Daemon]) -> None:
+    d = daemon_factory("--max-stored-keys", "10", "--max-stored-bytes", "4096")
+    with d.store() as store, d.store() as other:
+        for i in range(10):
+            store.set(f"k{i}", b"v")
+        with pytest.raises(StoreError, match="store full.*max_stored_keys"):
+            store.set("k10", b"v")
+        with pytest.raises(StoreError, match="store full"):
+            other.queue_push("q", b"item")
+        with pytest.raises(StoreError, match="store full"):
+            other.add("counter", 1)
+        store.set("k0", b"x" * 3000)  # replacing is no new key
+        with pytest.raises(StoreError, match="store full.*max_stored_bytes"):
+            other.set("k1", b"y" * 2000)
+        store.delete_key("k9")
+        other.add("counter", 5)
+        assert store.get("counter") == b"5"
+        assert store.get("k0") == b"x" * 3000
+        assert [store.get(f"k{i}") for i in range(1, 9)] == [b"v"] * 8
+        # torch's protocol has no error reply: its write past the quota closes its connection.
+        torch_client = dist.TCPStore("127.0.0.1", d.port, is_master=False,
+                                     wait_for_workers=False, timeout=timedelta(seconds=10))
+        with pytest.raises(Exception):
+            torch_client.set("another", "v")
+            torch_client.get("k1")
+        del torch_client
+        assert store.num_keys() == 10 and store.get("k1") == b"v"
+    assert "store full" in d.stop()
+
+
+def test_connections_per_peer(daemon_factory: type[Daemon]) -> None:
+    d = daemon_factory("--max-connections-per-peer", "3")
+    with d.store() as store:
+        a, b = raw(d.port), raw(d.port)
+        c = raw(d.port, greet=False)
+        assert closed_by_server(c)
+        c.close()
+        a.sendall(frame(OP_PING, 7, struct.pack("<Q", 1)))
+        assert read_frame(a)[:2] == (0, 7)
+        assert store.stats()["connections_refused"] == 1
+        b.close()
+        wait_stat(store, "connections", 2)
+        e = raw(d.port)  # the count follows closes
+        e.close()
+        a.close()
+        store.set("still", b"here")
+    assert "max_connections_per_peer" in d.stop()
+
+
+def test_waiters_per_connection(daemon_factory: type[Daemon]) -> None:
+    d = daemon_factory("--max-waiters-per-connection", "4")
+    with d.store() as store:
+        s = raw(d.port)
+        s.sendall(b"".join(get_frame(10 + i, b"w%d" % i) for i in range(5)))
+        status, rid, payload = read_frame(s)
+        assert (status, rid) == (TOO_LARGE, 14) and b"max_waiters_per_connection" in payload
+        store.set("w0", b"1")
+        assert read_frame(s)[:2] == (0, 10)  # the parked ones still complete
+        s.close()
+
+
+def test_handshake_and_frame_timeouts(daemon_factory: type[Daemon]) -> None:
+    d = daemon_factory("--handshake-timeout-ms", "200", "--frame-timeout-ms", "200")
+    with d.store() as store:
+        silent = raw(d.port, greet=False)
+        half = raw(d.port, greet=False)
+        half.sendall(b"ES")
+        slow = raw(d.port)
+        slow.sendall(frame(OP_PING, 2, struct.pack("<Q", 1))[:7])  # slowloris: a partial frame
+        t0 = time.monotonic()
+        assert closed_by_server(silent) and closed_by_server(half) and closed_by_server(slow)
+        assert time.monotonic() - t0 < 5
+        for s in (silent, half, slow):
+            s.close()
+        time.sleep(0.4)
+        store.set("k", b"v")  # an idle greeted connection outlives both timeouts
+        assert store.get("k") == b"v"
+    log = d.stop()
+    assert "handshake not finished within 200 ms" in log
+    assert "request not finished within 200 ms" in log
+
+
+@pytest.mark.parametrize("flag", ["--max-connection-buffer-bytes", "--max-buffered-bytes"])
+def test_buffer_limits_close_a_connection_that_does_not_read(
+    daemon_factory: type[Daemon], flag: str
+) -> None:
+    d = daemon_factory(flag, str(2 * 1024 * 1024))
+    with d.store() as store:
+        sleeper = raw(d.port)
+        sleeper.sendall(b"".join(get_frame(10 + i, b"big") for i in range(24)))
+        wait_stat(store, "waiters", 24)
+        store.set("big", b"x" * (1024 * 1024))  # 24 MiB of replies for a peer that reads none
+        assert closed_by_server(sleeper)
+        sleeper.close()
+        assert len(store.get("big")) == 1024 * 1024
+        assert store.stats()["bytes_buffered"] < 2 * 1024 * 1024
+    log = d.stop()
+    assert "closing connection" in log
