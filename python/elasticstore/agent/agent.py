@@ -104,6 +104,7 @@ class Agent:
         self._local_attempts = 0
         self._rounds = 0
         self._failures: list[Failure] = []
+        self._shut = False
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -124,10 +125,7 @@ class Agent:
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
-            try:
-                self.handler.shutdown()
-            except Exception as exc:
-                say(f"[elasticstore-run] rendezvous shutdown: {exc}")
+            self._shutdown_handler()
             signal.set_wakeup_fd(old_fd)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
@@ -366,35 +364,58 @@ class Agent:
     # -- the end ------------------------------------------------------------------------------
 
     def _finish(self, info: RendezvousInfo, attempt: int) -> None:
-        """Marks this node done; a store host serves until every participant is done."""
+        """Marks this node done (before it leaves, so the others never take its leaving for a
+        lost node); a store host serves until every other node is done and has left."""
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
-        prefix = f"elasticstore/agent/{attempt}/done/"
+        prefix = f"elasticstore/agent/{attempt}/"
+        hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
         try:
-            info.store.set(prefix + str(info.rank), "1")
+            info.store.set(prefix + f"done/{info.rank}", "host" if hosts else "node")
+            if not hosts:
+                store = info.store.clone()
+                self._shutdown_handler()
+                store.set(prefix + f"left/{info.rank}", "1")
+                return
         except Exception as exc:
             say(f"[elasticstore-run] could not mark this node done: {exc}")
             return
-        hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
-        if not hosts or info.world_size == 1:
+        if info.world_size == 1:
             return
-        keys = [prefix + str(i) for i in range(info.world_size)]
         say(f"[elasticstore-run] this node hosts a store: serving until all {info.world_size} "
             f"nodes finished (at most {self.s.drain_timeout:g}s)")
+        done = [prefix + f"done/{i}" for i in range(info.world_size)]
+        if self._wait_keys(info, done):
+            marks = info.store.multi_get(done)
+            left = [prefix + f"left/{i}" for i, m in enumerate(marks) if m == b"node"]
+            if self._wait_keys(info, left):
+                return
+        say("[elasticstore-run] stopped serving: not every node finished in time")
+
+    def _wait_keys(self, info: RendezvousInfo, keys: list[str]) -> bool:
         deadline = self._clock() + self.s.drain_timeout
         for _ in range(1 << 20):
             left = deadline - self._clock()
             if left <= 0:
-                say("[elasticstore-run] stopped serving: not every node finished in time")
-                return
+                return False
             try:
                 info.store.wait(keys, timedelta(seconds=min(1.0, left)))
-                return
+                return True
             except Exception:
                 try:
                     if self._sig_r.recv(64):
-                        return
+                        return False
                 except BlockingIOError:
                     pass
+        return False
+
+    def _shutdown_handler(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.handler.shutdown()
+        except Exception as exc:
+            say(f"[elasticstore-run] rendezvous shutdown: {exc}")
 
     def _stop_group(self, sig: int) -> None:
         group, self._group = self._group, None
