@@ -18,7 +18,6 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "agent_train.py")
-RUN = [sys.executable, "-m", "elasticstore.run"]
 
 
 def free_port(host: str = "127.0.0.2") -> int:
@@ -33,11 +32,12 @@ class Agents:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, flags: list[str], script_args: list[str] | None = None, name: str = "agent",
-              env: dict[str, str] | None = None, script: str = TRAIN) -> subprocess.Popen[bytes]:
+              env: dict[str, str] | None = None, script: str = TRAIN,
+              module: str = "elasticstore.run") -> subprocess.Popen[bytes]:
         out = open(os.path.join(self.dir, f"{name}.out"), "wb")
         args = ["--dir", self.dir] if script_args is None else script_args
         proc = subprocess.Popen(
-            [*RUN, *flags, script, *args], stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", module, *flags, script, *args], stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, env=dict(os.environ, **(env or {})), cwd=self.dir,
         )
         out.close()

@@ -23,13 +23,14 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--child", action="store_true", help="start a child process that sleeps")
     p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # the legacy launcher
     args = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     forked = os.environ.get("ELASTICSTORE_FORKED_AT")
     info = {
         "pid": os.getpid(), "rank": rank, "attempt": attempt, "preloaded": _PRELOADED,
         "fork_to_main": _STARTED - float(forked) if forked else None, "name": __name__,
-        "argv": sys.argv, "file": __file__, "world": int(os.environ["WORLD_SIZE"]),
+        "argv": sys.argv, "local_rank_arg": args.local_rank, "file": __file__, "world": int(os.environ["WORLD_SIZE"]),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHELASTIC", "ELASTICSTORE",
                 "MASTER", "GROUP", "ROLE", "LOCAL", "OMP", "TORCH_NCCL")) or k in ("RANK", "WORLD_SIZE")},
     }
