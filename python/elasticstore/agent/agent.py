@@ -35,54 +35,12 @@ from .config import AgentSettings
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
 from .logs import LogRelay, Std, console_for, say
+from .roundwatch import RoundWatcher
 from .workers import WorkerGroup, WorkerSpec, signal_name
 
 __all__ = ["Agent"]
 
 _SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
-
-
-class _RoundWatcher:
-    """A thread that writes to ``wake`` once the handler says the round must be replaced."""
-
-    def __init__(self, handler: RendezvousHandler, interval: float, wake: socket.socket) -> None:
-        self._h, self._interval, self._wake = handler, interval, wake
-        self._stop = threading.Event()
-        self._watch: Any = None
-        self._thread = threading.Thread(target=self._run, name="round-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            watch_round = getattr(self._h, "watch_round", None)
-            if watch_round is None:  # another handler: ask it every monitor interval
-                while not self._stop.wait(self._interval):
-                    if self._h.num_nodes_waiting() > 0:
-                        self._notify()
-                        return
-                return
-            self._watch = watch_round()
-            if self._stop.is_set():
-                self._watch.close()
-            for _ in range(1 << 40):
-                if self._stop.is_set() or self._watch is None:
-                    return
-                if self._watch.wait(1.0):
-                    self._notify()
-                    return
-        except Exception as exc:
-            if not self._stop.is_set():
-                say(f"[elasticstore-run] watching the round failed: {exc}")
-
-    def _notify(self) -> None:
-        if not self._stop.is_set():
-            self._wake.send(b"r")
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.close()
-        self._thread.join(2.0)
 
 
 class Agent:
@@ -299,7 +257,7 @@ class Agent:
     def _watch(self, info: RendezvousInfo, attempt: int) -> tuple[str, Any]:
         assert self._group is not None and self._server is not None
         wake_r, wake_w = socket.socketpair()
-        watcher = _RoundWatcher(self.handler, self.s.monitor_interval, wake_w)
+        watcher = RoundWatcher(self.handler, self.s.monitor_interval, wake_w)
         try:
             with selectors.DefaultSelector() as sel:
                 self._group.register(sel)
@@ -372,7 +330,8 @@ class Agent:
         try:
             info.store.set(prefix + f"done/{info.rank}", "host" if hosts else "node")
             if not hosts:
-                store = info.store.clone()
+                store: Any = info.store
+                store = store.clone()
                 self._shutdown_handler()
                 store.set(prefix + f"left/{info.rank}", "1")
                 return
