@@ -63,6 +63,20 @@ class Agents:
             proc.wait(30)
         assert_gone(self.all_pids(), 5.0)
 
+    def cleanup_quiet(self) -> None:
+        """Kills the agents and every recorded worker and child (torchrun leaves its workers
+        running when its agent is SIGKILLed)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(30)
+        for pid in self.all_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
     def starts(self) -> list[dict[str, Any]]:
         found = []
         for path in glob.glob(os.path.join(self.dir, "start-*.json")):
