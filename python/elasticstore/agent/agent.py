@@ -232,8 +232,18 @@ class Agent:
             env = self._worker_env(info, attempt, local, rank, world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self.s.log_dir else None))
-        self._group = WorkerGroup(self._server, self._clock)
-        self._group.start(specs, os.getcwd(), self._relay)
+        for tries in range(2):
+            self._group = WorkerGroup(self._server, self._clock)
+            try:
+                self._group.start(specs, os.getcwd(), self._relay)
+                return
+            except (RuntimeError, OSError) as exc:
+                self._stop_group(signal.SIGKILL)
+                if tries:
+                    raise
+                say(f"[elasticstore-run] {exc}: starting a new fork server")
+                self._server.close()
+                self._server = self._server_factory(self.s.warm)
 
     def _relay(self, spec: WorkerSpec, stream: str, fd: int) -> LogRelay:
         local = spec.local_rank
