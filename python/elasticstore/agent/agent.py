@@ -31,6 +31,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from ..store import Store
 from .config import AgentSettings
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
@@ -323,9 +324,15 @@ class Agent:
             return 0
 
     def _peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
-        prefix = f"elasticstore/agent/{attempt}/done/"
+        """Whether another node finished (its leaving then ends the round). On a connection of
+        its own with a short deadline: the round's store may have gone with its host."""
+        boot = info.bootstrap_store_info
+        if boot is None:
+            return False
+        prefix, quick = f"elasticstore/agent/{attempt}/done/", timedelta(seconds=0.5)
         try:
-            return any(info.store.check([prefix + str(i)]) for i in range(info.world_size))
+            with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick) as st:
+                return any(st.try_get(prefix + str(i)) is not None for i in range(info.world_size))
         except Exception:
             return False
 
@@ -389,7 +396,11 @@ class Agent:
     def _stop_group(self, sig: int) -> None:
         group, self._group = self._group, None
         if group is not None:
+            t0 = self._clock()
             group.stop(self.s.shutdown_timeout, sig)
+            if self._clock() - t0 > 1.0:
+                say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
+                    f"({group.describe()})")
 
     def _close_rendezvous(self) -> None:
         try:

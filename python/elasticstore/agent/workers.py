@@ -31,6 +31,17 @@ def signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return -1
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     local_rank: int
@@ -105,6 +116,15 @@ class WorkerGroup:
                 os.killpg(w.pid, sig)
             except OSError:  # the group is empty
                 pass
+
+    def describe(self) -> str:
+        """The exit of each worker and what is left in its process group."""
+        parts = []
+        for w in self.workers:
+            code = "running" if w.exit_code is None else signal_name(w.exit_code)
+            left = [p for p in _pids() if _pgid(p) == w.pid]
+            parts.append(f"rank {w.spec.rank}: {code}, {len(left)} left in its group {left[:5]}")
+        return "; ".join(parts)
 
     def _groups_alive(self) -> bool:
         for w in self.workers:
