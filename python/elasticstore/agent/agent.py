@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from ..store import Store
 from .config import AgentSettings
+from .envs import worker_env
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
 from .logs import LogRelay, Std, console_for, say
@@ -180,30 +181,6 @@ class Agent:
         counts = [json.loads(v)["nproc"] for v in store.multi_get(keys)]
         return attempt, sum(counts[: info.rank]), sum(counts)
 
-    def _worker_env(self, info: RendezvousInfo, attempt: int, local: int, rank: int,
-                    world: int, error_file: str) -> dict[str, str]:
-        boot = info.bootstrap_store_info
-        addr, port = (boot.master_addr, boot.master_port) if boot is not None else ("127.0.0.1", 0)
-        env = dict(os.environ)
-        env.update(self.s.extra_env)
-        env.update({
-            "LOCAL_RANK": str(local), "RANK": str(rank), "GROUP_RANK": str(info.rank),
-            "ROLE_RANK": str(rank), "ROLE_NAME": self.s.role,
-            "LOCAL_WORLD_SIZE": str(self.s.nproc), "WORLD_SIZE": str(world),
-            "GROUP_WORLD_SIZE": str(info.world_size), "ROLE_WORLD_SIZE": str(world),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port),
-            "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.s.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.s.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": str(self.handler.use_agent_store),
-            "TORCHELASTIC_ERROR_FILE": error_file,
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "ELASTICSTORE_ADDR": f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}",
-            "ELASTICSTORE_PREFIX": f"/worker/attempt_{attempt}",
-            "ELASTICSTORE_RUN_ID": self.s.run_id,
-        })
-        return env
-
     def _argv(self, local: int) -> tuple[list[str], str]:
         args = list(self.s.args)
         if self.s.legacy_local_rank_arg:
@@ -230,7 +207,8 @@ class Agent:
             rank_dir = os.path.join(root, str(rank))
             error_file = os.path.join(rank_dir, "error.json")
             argv, kind = self._argv(local)
-            env = self._worker_env(info, attempt, local, rank, world, error_file)
+            env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
+                             world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self.s.log_dir else None))
         for tries in range(2):
