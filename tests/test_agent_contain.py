@@ -77,3 +77,27 @@ def test_agent_sigkill_with_busy_tree(tmp_path: object) -> None:
         os.kill(agent.pid, signal.SIGKILL)
         took = assert_gone(pids, 1.0)
         print(f"agent SIGKILL -> workers and their children gone in {took:.3f}s ({time.monotonic() - t0:.3f}s)")
+
+
+def test_console_prefix_redirects_tee_filter_and_log_files(tmp_path: object) -> None:
+    logs = os.path.join(str(tmp_path), "logs")
+    script = "i=0; while [ $i -lt 200 ]; do echo \"line $i of rank $RANK xxxxxxxxxxxxxxxxxxxxxxxx\"; i=$((i+1)); done; echo oops >&2"
+    with agents(str(tmp_path)) as a:
+        flags = ["--no-python", "--nproc-per-node", "3", "--rdzv-id", "logs", "--log-dir", logs,
+                 "-r", "0:3,1:3", "-t", "1:1", "--local-ranks-filter", "0,1", "--local-addr", "127.0.0.2"]
+        agent = a.start(flags, ["-c", script], name="n1", script="/bin/sh")
+        assert a.wait(agent, 120) == 0, a.output(agent)
+        out = a.output(agent)
+        lines = [ln for ln in out.splitlines() if ln.startswith("[127.0.0.2:")]
+        # rank 0: redirected, no tee -> nothing on the console; rank 1: stdout teed, stderr
+        # redirected; rank 2: filtered out of the console.
+        assert not [ln for ln in lines if ln.startswith("[127.0.0.2:0]")]
+        assert not [ln for ln in lines if ln.startswith("[127.0.0.2:2]")]
+        ones = [ln for ln in lines if ln.startswith("[127.0.0.2:1] ")]
+        assert len(ones) == 200 and all(ln.endswith("of rank 1 xxxxxxxxxxxxxxxxxxxxxxxx") for ln in ones)
+        for rank in (0, 1, 2):
+            d = os.path.join(logs, "logs", "attempt_0", str(rank))
+            with open(os.path.join(d, "stdout.log")) as f:
+                assert len(f.read().splitlines()) == 200
+            with open(os.path.join(d, "stderr.log")) as f:
+                assert f.read() == "oops\n"

@@ -226,7 +226,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     if args.standalone or (backend == "elasticstore" and not endpoint and max_nodes == 1):
         if max_nodes != 1 and args.standalone:
             raise UsageError("--standalone", f"needs --nnodes 1, got {args.nnodes}")
-        backend, endpoint, run_id = "elasticstore", f"127.0.0.1:{_free_port('127.0.0.1')}", uuid.uuid4().hex[:12]
+        if args.standalone or run_id == "none":  # --standalone ignores --rdzv-id, as torchrun's
+            run_id = uuid.uuid4().hex[:12]
+        backend, endpoint = "elasticstore", f"127.0.0.1:{_free_port('127.0.0.1')}"
         local_addr, conf = local_addr or "127.0.0.1", (*conf, ("is_host", "1"))
     if backend == "static":
         endpoint = endpoint or f"{args.master_addr}:{master_port}"
