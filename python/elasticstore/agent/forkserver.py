@@ -14,8 +14,9 @@ the agent dies, even by SIGKILL, it kills every worker's process group and its r
 and exits; it does the same when the agent closes the control socket.
 
 Protocol (AF_UNIX SOCK_SEQPACKET): the agent sends ``{"argv", "env", "cwd", "kind"}`` as JSON with
-three descriptors (the worker's status socket, stdout, stderr); the server answers on the status
-socket ``pid N`` once forked and ``exit CODE`` (negative: killed by signal -CODE) when reaped.
+three descriptors (the worker's status socket, stdout, stderr); the worker itself writes ``pid N``
+on the status socket once it leads its own process group (so the agent can signal the group from
+then on), and the server writes ``exit CODE`` (negative: killed by signal -CODE) when it reaped it.
 """
 
 from __future__ import annotations
@@ -150,15 +151,12 @@ class _Server:
         if pid == 0:
             job["fds"] = fds[1:]
             job["parent"] = os.getppid()
+            job["status"] = os.dup(status.fileno())  # the child says "pid" once it leads its group
             self._close_in_child(status)
             return job
         os.close(fds[1])
         os.close(fds[2])
         self.workers[pid] = status
-        try:
-            status.send(f"pid {pid}".encode())
-        except OSError:
-            pass
         return None
 
     def _close_in_child(self, status: socket.socket) -> None:
@@ -222,6 +220,9 @@ def _enter_worker(job: dict[str, Any]) -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != job["parent"]:
         os._exit(137)
+    # Only now: the agent may signal the process group as soon as it has the pid.
+    os.write(job["status"], f"pid {os.getpid()}".encode())
+    os.close(job["status"])
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
