@@ -12,6 +12,7 @@ so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import socket
@@ -40,7 +41,7 @@ from .executor import Decider, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
-__all__ = ["ElasticRendezvousHandler"]
+__all__ = ["ElasticRendezvousHandler", "RoundWatch"]
 
 log = logging.getLogger(__name__)
 _LOCAL_IDS = itertools.count()
@@ -60,6 +61,37 @@ def _local_addr(settings: RendezvousSettings) -> str:
             return str(sock.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+class RoundWatch:
+    """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once."""
+
+    def __init__(self, backend: StoreBackend, key: str) -> None:
+        self._b, self._key = backend, key
+
+    def wait(self, timeout: float) -> bool:
+        """True once the round must be replaced; False after ``timeout`` s or when closed."""
+        deadline = time.monotonic() + timeout
+        try:
+            rev = self._b.revision()
+            if self._b.get(self._key) is not None:
+                return True
+            while (left := deadline - time.monotonic()) > 0:
+                event = self._b.watch(self._key, rev, left)
+                if event is None:
+                    return False
+                rev = event.version
+                if event.key == self._key and event.kind == "set":
+                    return True
+            return False
+        except WatchCompactedError:
+            return self._b.get(self._key) is not None
+
+    def close(self) -> None:
+        try:
+            self._b.close()
+        except Exception:
+            pass
 
 
 class ElasticRendezvousHandler(RendezvousHandler):
@@ -162,6 +194,30 @@ class ElasticRendezvousHandler(RendezvousHandler):
             return 0
         with self._guard():
             return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
+
+    # -- for an agent's wait point (not part of torch's interface) ------------------------------
+
+    def watch_round(self) -> RoundWatch | None:
+        """A watch on the current round's end (what ``num_nodes_waiting()`` reports), on a
+        connection of its own; None outside a round."""
+        rnd = self._round
+        if rnd is None:
+            return None
+        with self._guard():
+            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round))
+
+    def end_round(self, reason: str) -> None:
+        """Tells every participant at once that the current round is over (e.g. a worker
+        failed here); one event for the others' ``watch_round``, none when already ended."""
+        rnd = self._round
+        if rnd is not None:
+            with self._guard():
+                self._backend.create(self._keys.restart(rnd.round), json.dumps({"reason": reason}))
+
+    @property
+    def hosts_store(self) -> bool:
+        """This node hosts the rendezvous server or the current round's worker store."""
+        return self._worker_server is not None or getattr(self._backend, "server", None) is not None
 
     def shutdown(self) -> bool:
         """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""

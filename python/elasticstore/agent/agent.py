@@ -1,0 +1,387 @@
+"""The elastic agent: one node's worker group through rounds of the rendezvous.
+
+``Agent`` takes its parts from outside (the rendezvous handler, the fork server factory, the
+clock) and reacts to events from one wait point (a selector): a worker exited (its status socket
+from the fork server), the round must be replaced (a thread blocked in the handler's
+``watch_round``), a signal came (the wakeup fd), the fork server died. No timer loop.
+
+- A worker failed: end the round for everyone at once (``end_round``), stop the local group,
+  rendezvous again; each such failure spends one of ``max_restarts``.
+- The round ended elsewhere (a node lost or waiting, a failure on another node): stop the local
+  group and rendezvous again, without spending the budget.
+- Every worker succeeded: exit at once; an agent hosting a store first serves until every
+  participant finished (at most ``drain_timeout``, and it says so).
+- SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+
+from ..store import Store
+from .config import AgentSettings
+from .envs import worker_env
+from .failures import Failure, failure_of, summary
+from .forkserver import ForkServer
+from .logs import LogRelay, Std, console_for, say
+from .roundwatch import RoundWatcher
+from .workers import WorkerGroup, WorkerSpec, signal_name
+
+__all__ = ["Agent"]
+
+_SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        handler: RendezvousHandler,
+        server_factory: Callable[[bool], ForkServer] = ForkServer,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.s = settings
+        self.handler = handler
+        self._server_factory = server_factory
+        self._clock = clock
+        self._server: ForkServer | None = None
+        self._group: WorkerGroup | None = None
+        self._tmp = tempfile.mkdtemp(prefix=f"elasticstore_{settings.run_id}_") if not settings.log_dir else None
+        self._failures_used = 0
+        self._local_attempts = 0
+        self._rounds = 0
+        self._failures: list[Failure] = []
+        self._shut = False
+
+    # -- the whole run ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Runs the job on this node; returns the exit code of the launcher."""
+        self._sig_r, sig_w = socket.socketpair()
+        self._sig_r.setblocking(False)
+        sig_w.setblocking(False)
+        old = {sig: signal.signal(sig, lambda *_: None) for sig in self.s.signals}
+        old_fd = signal.set_wakeup_fd(sig_w.fileno())
+        start = self._clock()
+        self._server = self._server_factory(self.s.warm)
+        try:
+            code = self._loop()
+        except Exception as exc:
+            say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
+            code = 1
+        finally:
+            self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
+            self._server.close()
+            self._shutdown_handler()
+            signal.set_wakeup_fd(old_fd)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            sig_w.close()
+            self._sig_r.close()
+        verdict = "succeeded" if code == 0 else f"failed (exit code {code})"
+        say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
+            f"round(s), {self._failures_used}/{self.s.max_restarts} restart(s) after failures, "
+            f"{self._clock() - start:.1f}s")
+        return code
+
+    def _loop(self) -> int:
+        for _ in range(1 << 30):
+            t0 = self._clock()
+            info = self._rendezvous()
+            if isinstance(info, int):
+                return 128 + info
+            self._rounds += 1
+            attempt, base, world = self._assign(info)
+            t1 = self._clock()
+            self._start(info, attempt, base, world)
+            self._say_round(info, base, world, t1 - t0, self._clock() - t1)
+            outcome, detail = self._watch(info, attempt)
+            if outcome == _SUCCEEDED:
+                self._finish(info, attempt)
+                return 0
+            if outcome == _SIGNAL:
+                say(f"[elasticstore-run] got {signal.Signals(detail).name}: stopping the workers")
+                self._stop_group(detail)
+                return 128 + detail
+            self._stop_group(signal.SIGTERM)
+            if outcome == _FAILED:
+                if self._failures_used >= self.s.max_restarts:
+                    say(summary(self.s.entrypoint, self._failures))
+                    self._close_rendezvous()
+                    return 1
+                self._failures_used += 1
+                say(f"[elasticstore-run] {detail}; restart {self._failures_used}/{self.s.max_restarts}")
+            else:
+                say(f"[elasticstore-run] {detail}: new round (no restart spent)")
+        return 1
+
+    # -- a round ------------------------------------------------------------------------------
+
+    def _rendezvous(self) -> RendezvousInfo | int:
+        """``next_rendezvous`` in a thread, so a signal is handled at once; int: the signal."""
+        result: dict[str, Any] = {}
+        done_r, done_w = socket.socketpair()
+
+        def target() -> None:
+            try:
+                result["info"] = self.handler.next_rendezvous()
+            except BaseException as exc:
+                result["error"] = exc
+            finally:
+                done_w.send(b"x")
+
+        thread = threading.Thread(target=target, name="rendezvous", daemon=True)
+        thread.start()
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(done_r, selectors.EVENT_READ)
+                sel.register(self._sig_r, selectors.EVENT_READ)
+                for _ in range(1 << 40):
+                    for key, _ in sel.select():
+                        if key.fileobj is self._sig_r:
+                            sigs = self._sig_r.recv(64)
+                            say(f"[elasticstore-run] got {signal.Signals(sigs[0]).name} in the rendezvous")
+                            return sigs[0]
+                        if "error" in result:
+                            raise result["error"]
+                        info: RendezvousInfo = result["info"]
+                        return info
+            return 1
+        finally:
+            done_r.close()
+            if not thread.is_alive():
+                done_w.close()
+
+    def _attempt(self) -> int:
+        rnd = getattr(self.handler, "round", None)
+        return rnd.round - 1 if rnd is not None else self._local_attempts
+
+    def _assign(self, info: RendezvousInfo) -> tuple[int, int, int]:
+        """(attempt, first global rank here, world size): each node publishes its worker count
+        in the round's store and reads the others' (one set, one wait, one multi_get)."""
+        attempt = self._attempt()
+        self._local_attempts += 1
+        store, prefix = info.store, f"elasticstore/agent/{attempt}/"
+        store.set(prefix + f"node/{info.rank}", json.dumps({"nproc": self.s.nproc}))
+        keys = [prefix + f"node/{i}" for i in range(info.world_size)]
+        store.wait(keys, timedelta(seconds=300))
+        counts = [json.loads(v)["nproc"] for v in store.multi_get(keys)]
+        return attempt, sum(counts[: info.rank]), sum(counts)
+
+    def _argv(self, local: int) -> tuple[list[str], str]:
+        args = list(self.s.args)
+        if self.s.legacy_local_rank_arg:
+            args = [f"--local-rank={local}", *args]
+        if self.s.kind == "exec":
+            return [self.s.entrypoint, *args], "exec"
+        if self.s.warm:
+            return [self.s.entrypoint, *args], self.s.kind
+        python = [sys.executable, "-u"]
+        if self.s.kind == "module":
+            return [*python, "-m", self.s.entrypoint, *args], "exec"
+        return [*python, self.s.entrypoint, *args], "exec"
+
+    def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
+        assert self._server is not None
+        if not self._server.alive():
+            say("[elasticstore-run] the fork server died: starting a new one")
+            self._server.close()
+            self._server = self._server_factory(self.s.warm)
+        root = os.path.join(self.s.log_dir or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
+        specs = []
+        for local in range(self.s.nproc):
+            rank = base + local
+            rank_dir = os.path.join(root, str(rank))
+            error_file = os.path.join(rank_dir, "error.json")
+            argv, kind = self._argv(local)
+            env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
+                             world, error_file)
+            specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
+                                    rank_dir if self.s.log_dir else None))
+        for tries in range(2):
+            self._group = WorkerGroup(self._server, self._clock)
+            try:
+                self._group.start(specs, os.getcwd(), self._relay)
+                return
+            except (RuntimeError, OSError) as exc:
+                self._stop_group(signal.SIGKILL)
+                if tries:
+                    raise
+                say(f"[elasticstore-run] {exc}: starting a new fork server")
+                self._server.close()
+                self._server = self._server_factory(self.s.warm)
+
+    def _relay(self, spec: WorkerSpec, stream: str, fd: int) -> LogRelay:
+        local = spec.local_rank
+        quiet = Std.has(self.s.redirects.get(local, 0), stream) and not Std.has(
+            self.s.tee.get(local, 0), stream)
+        shown = self.s.local_ranks_filter is None or local in self.s.local_ranks_filter
+        path = os.path.join(spec.log_dir, f"{stream}.log") if spec.log_dir else None
+        console = console_for(stream) if shown and not quiet else None
+        return LogRelay(fd, f"[{self.s.host}:{spec.rank}] ", path, console)
+
+    def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
+        rnd = getattr(self.handler, "round", None)
+        members = f" [{', '.join(rnd.participants)}]" if rnd is not None else ""
+        number = f" {rnd.round}" if rnd is not None else ""
+        say(f"[elasticstore-run] round{number}: {info.world_size} node(s){members}, world size "
+            f"{world}; node rank {info.rank}, ranks {base}-{base + self.s.nproc - 1}; rendezvous "
+            f"{rdzv:.3f}s, workers started in {start:.3f}s")
+
+    # -- the wait point -----------------------------------------------------------------------
+
+    def _watch(self, info: RendezvousInfo, attempt: int) -> tuple[str, Any]:
+        assert self._group is not None and self._server is not None
+        wake_r, wake_w = socket.socketpair()
+        watcher = RoundWatcher(self.handler, self.s.monitor_interval, wake_w)
+        try:
+            with selectors.DefaultSelector() as sel:
+                self._group.register(sel)
+                sel.register(self._sig_r, selectors.EVENT_READ)
+                sel.register(wake_r, selectors.EVENT_READ)
+                sel.register(self._server.control, selectors.EVENT_READ)
+                for _ in range(1 << 40):
+                    for key, _ in sel.select():
+                        obj = key.fileobj
+                        if obj is self._sig_r:
+                            return _SIGNAL, self._sig_r.recv(64)[0]
+                        if obj is self._server.control:
+                            return self._failed("the fork server died", None)
+                        if obj is wake_r:
+                            sel.unregister(wake_r)
+                            if self._peers_done(info, attempt):
+                                continue  # they finished: only our workers are left to finish
+                            return _ROUND, "the round ended (a node was lost, joined or failed)"
+                        worker = key.data
+                        self._group.collect(worker, sel)
+                        if worker.exit_code != 0:
+                            return self._failed(
+                                f"rank {worker.spec.rank} (pid {worker.pid}) failed with "
+                                f"{signal_name(worker.exit_code)}", worker)
+                        if not self._group.running():
+                            return _SUCCEEDED, None
+            return _FAILED, "the wait point gave up"
+        finally:
+            watcher.stop()
+            wake_r.close()
+            wake_w.close()
+
+    def _failed(self, what: str, worker: Any) -> tuple[str, Any]:
+        ended_elsewhere = self._num_waiting() > 0
+        end_round = getattr(self.handler, "end_round", None)
+        if end_round is not None:
+            try:
+                end_round(f"{what} on {self.s.host}")
+            except Exception as exc:
+                say(f"[elasticstore-run] could not end the round: {exc}")
+        if worker is not None:
+            if ended_elsewhere:  # the others' failure came first: ours is its consequence
+                return _ROUND, f"{what} after the round ended elsewhere"
+            assert self._group is not None
+            self._failures = [failure_of(w, self.s.host) for w in self._group.workers
+                              if w.exit_code not in (None, 0)]
+        return _FAILED, what
+
+    def _num_waiting(self) -> int:
+        try:
+            return self.handler.num_nodes_waiting()
+        except Exception:
+            return 0
+
+    def _peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
+        """Whether another node finished (its leaving then ends the round). On a connection of
+        its own with a short deadline: the round's store may have gone with its host."""
+        boot = info.bootstrap_store_info
+        if boot is None:
+            return False
+        prefix, quick = f"elasticstore/agent/{attempt}/done/", timedelta(seconds=0.5)
+        try:
+            with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick) as st:
+                return any(st.try_get(prefix + str(i)) is not None for i in range(info.world_size))
+        except Exception:
+            return False
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _finish(self, info: RendezvousInfo, attempt: int) -> None:
+        """Marks this node done (before it leaves, so the others never take its leaving for a
+        lost node); a store host serves until every other node is done and has left."""
+        self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
+        prefix = f"elasticstore/agent/{attempt}/"
+        hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
+        try:
+            info.store.set(prefix + f"done/{info.rank}", "host" if hosts else "node")
+            if not hosts:
+                store: Any = info.store
+                store = store.clone()
+                self._shutdown_handler()
+                store.set(prefix + f"left/{info.rank}", "1")
+                return
+        except Exception as exc:
+            say(f"[elasticstore-run] could not mark this node done: {exc}")
+            return
+        if info.world_size == 1:
+            return
+        say(f"[elasticstore-run] this node hosts a store: serving until all {info.world_size} "
+            f"nodes finished (at most {self.s.drain_timeout:g}s)")
+        done = [prefix + f"done/{i}" for i in range(info.world_size)]
+        if self._wait_keys(info, done):
+            marks = info.store.multi_get(done)
+            left = [prefix + f"left/{i}" for i, m in enumerate(marks) if m == b"node"]
+            if self._wait_keys(info, left):
+                return
+        say("[elasticstore-run] stopped serving: not every node finished in time")
+
+    def _wait_keys(self, info: RendezvousInfo, keys: list[str]) -> bool:
+        deadline = self._clock() + self.s.drain_timeout
+        for _ in range(1 << 20):
+            left = deadline - self._clock()
+            if left <= 0:
+                return False
+            try:
+                info.store.wait(keys, timedelta(seconds=min(1.0, left)))
+                return True
+            except Exception:
+                try:
+                    if self._sig_r.recv(64):
+                        return False
+                except BlockingIOError:
+                    pass
+        return False
+
+    def _shutdown_handler(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.handler.shutdown()
+        except Exception as exc:
+            say(f"[elasticstore-run] rendezvous shutdown: {exc}")
+
+    def _stop_group(self, sig: int) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            t0 = self._clock()
+            group.stop(self.s.shutdown_timeout, sig)
+            if self._clock() - t0 > 1.0:
+                say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
+                    f"({group.describe()})")
+
+    def _close_rendezvous(self) -> None:
+        try:
+            self.handler.set_closed()
+        except Exception as exc:
+            say(f"[elasticstore-run] could not close the rendezvous: {exc}")

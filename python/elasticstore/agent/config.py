@@ -1,0 +1,41 @@
+"""The agent's settings, parsed once by the launcher (``run.py``) and never changed."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+__all__ = ["AgentSettings", "DRAIN_TIMEOUT"]
+
+DRAIN_TIMEOUT = 120.0  # how long a store host serves, after its workers succeeded, for the others
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    entrypoint: str  # the script, module or command
+    args: tuple[str, ...]  # its arguments
+    nproc: int
+    run_id: str
+    host: str  # this node's address: the console prefix and the failure summary
+    kind: str = "script"  # "script", "module" or "exec" (--no-python)
+    warm: bool = True  # fork workers from a fork server with torch imported
+    role: str = "default"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1  # only for rendezvous handlers without a watch
+    shutdown_timeout: float = 30.0
+    log_dir: str | None = None  # per-rank files under log_dir/run_id/attempt_N/RANK/
+    redirects: dict[int, int] = field(default_factory=dict)  # local rank -> Std bits
+    tee: dict[int, int] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None  # console: only these local ranks
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    extra_env: tuple[tuple[str, str], ...] = ()  # e.g. OMP_NUM_THREADS chosen by the launcher
+    legacy_local_rank_arg: bool = False  # launch.py without --use-env: --local-rank=N
+    drain_timeout: float = DRAIN_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"nproc-per-node {self.nproc}: must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"max-restarts {self.max_restarts}: must be >= 0")
+        if self.kind not in ("script", "module", "exec"):
+            raise ValueError(f"kind {self.kind!r}")

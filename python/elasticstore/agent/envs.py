@@ -1,0 +1,36 @@
+"""The environment of a worker: every variable torchrun sets, plus elasticstore's."""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+
+from .config import AgentSettings
+
+__all__ = ["worker_env"]
+
+
+def worker_env(s: AgentSettings, info: RendezvousInfo, use_agent_store: bool, attempt: int,
+               local: int, rank: int, world: int, error_file: str) -> dict[str, str]:
+    boot = info.bootstrap_store_info
+    addr, port = (boot.master_addr, boot.master_port) if boot is not None else ("127.0.0.1", 0)
+    env = dict(os.environ)
+    env.update(s.extra_env)
+    env.update({
+        "LOCAL_RANK": str(local), "RANK": str(rank), "GROUP_RANK": str(info.rank),
+        "ROLE_RANK": str(rank), "ROLE_NAME": s.role,
+        "LOCAL_WORLD_SIZE": str(s.nproc), "WORLD_SIZE": str(world),
+        "GROUP_WORLD_SIZE": str(info.world_size), "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(s.max_restarts),
+        "TORCHELASTIC_RUN_ID": s.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "ELASTICSTORE_ADDR": f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}",
+        "ELASTICSTORE_PREFIX": f"/worker/attempt_{attempt}",
+        "ELASTICSTORE_RUN_ID": s.run_id,
+    })
+    return env

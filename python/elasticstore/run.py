@@ -1,0 +1,327 @@
+"""``elasticstore-run`` (also ``python -m elasticstore.run``): a drop-in for torchrun 2.13.
+
+torchrun's flags with the same defaults and meaning, dashed and underscored spellings, and the
+``PET_<FLAG>`` environment fallback. Differences: ``--rdzv-backend`` defaults to ``elasticstore``
+(``etcd`` is ours on etcd v3, ``static`` the fixed-rank path; ``c10d`` and ``etcd-v2`` map to ours
+with a notice); ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
+process with torch imported; ``spawn`` starts plain processes). Flags not supported yet are
+refused by name. A bad value exits with code 2 and one line naming the flag and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .agent.config import AgentSettings
+from .agent.logs import parse_std
+
+__all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
+
+BACKENDS = {"elasticstore": "elasticstore", "etcd": "etcd", "static": "static",
+            "c10d": "elasticstore", "etcd-v2": "etcd", "elasticstore-etcd": "etcd",
+            "elasticstore-static": "static"}
+NOTICES = {"c10d": "--rdzv-backend c10d: running elasticstore's native rendezvous instead",
+           "etcd-v2": "--rdzv-backend etcd-v2: running elasticstore's rendezvous on etcd v3 instead"}
+UNSUPPORTED = ("--logs-specs", "--numa-binding", "--virtual-local-rank",
+               "--duplicate-stdout-filters", "--duplicate-stderr-filters")
+
+
+class UsageError(ValueError):
+    """A bad flag value: ``flag`` names it."""
+
+    def __init__(self, flag: str, reason: str) -> None:
+        super().__init__(f"{flag}: {reason}")
+
+
+def _env_name(option_strings: Sequence[str]) -> str:
+    longest = max(option_strings, key=len)
+    return "PET_" + longest.lstrip("-").replace("-", "_").upper()
+
+
+class _Env(argparse.Action):
+    """A value flag whose default comes from ``PET_<FLAG>`` (torch's ``env`` action)."""
+
+    environ: Mapping[str, str] = os.environ
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None,
+                 **kwargs: Any) -> None:
+        env = _Env.environ.get(_env_name(option_strings))
+        super().__init__(option_strings, dest, default=env if env is not None else default, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _CheckEnv(argparse.Action):
+    """A switch, also on when ``PET_<FLAG>`` is 1 (torch's ``check_env``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        on = _Env.environ.get(_env_name(option_strings), "0") == "1"
+        super().__init__(option_strings, dest, nargs=0, default=on, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+class _Refused(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=None, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        raise UsageError(str(option_string), "not supported by elasticstore-run (yet)")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit code 2
+        raise UsageError("elasticstore-run", message)
+
+
+def _names(flag: str) -> list[str]:
+    under = flag.replace("-", "_")
+    return [flag, "--" + under[2:]] if under[2:] != flag[2:] else [flag]
+
+
+def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-run") -> argparse.ArgumentParser:
+    _Env.environ = environ
+    p = _Parser(prog=prog, description="Elastic launcher for PyTorch, a drop-in for torchrun.",
+                allow_abbrev=False)
+    value = {
+        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": "elasticstore",
+        "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
+        "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
+        "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
+        "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
+        "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
+        "--event-log-handler": "null",
+    }
+    for flag, default in value.items():
+        p.add_argument(*_names(flag), action=_Env, default=default)
+    p.add_argument("-r", "--redirects", action=_Env, default="0")
+    p.add_argument("-t", "--tee", action=_Env, default="0")
+    p.add_argument("--standalone", action=_CheckEnv)
+    p.add_argument("-m", "--module", action=_CheckEnv)
+    p.add_argument(*_names("--no-python"), action=_CheckEnv)
+    p.add_argument(*_names("--run-path"), action=_CheckEnv)
+    for flag in UNSUPPORTED:
+        p.add_argument(*_names(flag), action=_Refused)
+    p.add_argument("training_script")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything the launcher needs, parsed once."""
+
+    agent: AgentSettings
+    backend: str  # elasticstore, etcd or static
+    endpoint: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    rdzv_conf: tuple[tuple[str, str], ...]
+    notices: tuple[str, ...]
+
+
+def _int(flag: str, text: str, low: int = 0) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise UsageError(flag, f"{text!r} is not an integer") from None
+    if value < low:
+        raise UsageError(flag, f"{value} must be at least {low}")
+    return value
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    lo, _, hi = str(text).partition(":")
+    a = _int("--nnodes", lo, 1)
+    b = _int("--nnodes", hi, 1) if hi else a
+    if b < a:
+        raise UsageError("--nnodes", f"{text!r}: MAX below MIN")
+    return a, b
+
+
+def _nproc(text: str) -> int:
+    text = str(text).strip()
+    if text.isdigit():
+        return _int("--nproc-per-node", text, 1)
+    cpus = len(os.sched_getaffinity(0))
+    if text == "cpu":
+        return cpus
+    if text in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.device_count())
+        if text == "gpu":
+            raise UsageError("--nproc-per-node", "gpu: CUDA is not available")
+        return cpus
+    raise UsageError("--nproc-per-node", f"{text!r}: expected N, auto, cpu or gpu")
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    items: list[tuple[str, str]] = []
+    for item in filter(None, (i.strip() for i in str(text).split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError("--rdzv-conf", f"{item!r} is not key=value")
+        items.append((key.strip(), val.strip()))
+    return tuple(items)
+
+
+def _signals(text: str) -> tuple[int, ...]:
+    out = []
+    for name in filter(None, (n.strip() for n in str(text).split(","))):
+        try:
+            out.append(int(signal.Signals[name]))
+        except KeyError:
+            raise UsageError("--signals-to-handle", f"{name!r} is not a signal name") from None
+    return tuple(out)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
+          legacy: bool = False) -> RunSettings:
+    """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
+    p = parser(environ)
+    if legacy:
+        p.add_argument(*_names("--use-env"), action=_CheckEnv)
+    args = p.parse_args(list(argv))
+    notices: list[str] = []
+    backend_arg = str(args.rdzv_backend)
+    if backend_arg not in BACKENDS:
+        raise UsageError("--rdzv-backend", f"{backend_arg!r}: expected one of elasticstore, etcd, "
+                         "static (c10d and etcd-v2 are accepted too)")
+    if backend_arg in NOTICES:
+        notices.append(NOTICES[backend_arg])
+    if args.event_log_handler != "null":
+        raise UsageError("--event-log-handler", "only 'null' is supported by elasticstore-run")
+    if args.start_method not in ("spawn", "fork", "forkserver"):
+        raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
+    backend = BACKENDS[backend_arg]
+    min_nodes, max_nodes = _nnodes(args.nnodes)
+    nproc = _nproc(args.nproc_per_node)
+    conf = _rdzv_conf(args.rdzv_conf)
+    endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
+    local_addr = args.local_addr
+    master_port = _int("--master-port", args.master_port, 1) if args.master_port is not None else 29500
+    node_rank = _int("--node-rank", args.node_rank)
+    if args.standalone or (backend == "elasticstore" and not endpoint and max_nodes == 1):
+        if max_nodes != 1 and args.standalone:
+            raise UsageError("--standalone", f"needs --nnodes 1, got {args.nnodes}")
+        if args.standalone or run_id == "none":  # --standalone ignores --rdzv-id, as torchrun's
+            run_id = uuid.uuid4().hex[:12]
+        backend, endpoint = "elasticstore", f"127.0.0.1:{_free_port('127.0.0.1')}"
+        local_addr, conf = local_addr or "127.0.0.1", (*conf, ("is_host", "1"))
+    if backend == "static":
+        endpoint = endpoint or f"{args.master_addr}:{master_port}"
+        if min_nodes != max_nodes:
+            raise UsageError("--nnodes", f"{args.nnodes}: the static backend needs a fixed count")
+        if node_rank >= max_nodes:
+            raise UsageError("--node-rank", f"{node_rank} must be below --nnodes {max_nodes}")
+        conf = (*conf, ("rank", str(node_rank)))
+    elif not endpoint:
+        raise UsageError("--rdzv-endpoint", f"required by the {backend} backend for --nnodes {args.nnodes}")
+    extra_env: list[tuple[str, str]] = []
+    if "OMP_NUM_THREADS" not in environ and nproc > 1:
+        extra_env.append(("OMP_NUM_THREADS", "1"))
+        notices.append("Setting OMP_NUM_THREADS environment variable for each process to be 1 in "
+                       "default, to avoid your system being overloaded, please further tune the "
+                       "variable for optimal performance in your application as needed.")
+    shutdown = args.shutdown_timeout or environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        monitor = float(args.monitor_interval)
+        if not monitor > 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError("--monitor-interval", f"{args.monitor_interval!r} is not a positive number") from None
+    ranks_filter = None
+    if args.local_ranks_filter:
+        ranks_filter = frozenset(_int("--local-ranks-filter", r) for r in str(args.local_ranks_filter).split(","))
+    try:
+        redirects = parse_std("--redirects", str(args.redirects), nproc)
+        tee = parse_std("--tee", str(args.tee), nproc)
+    except ValueError as exc:
+        flag, _, reason = str(exc).partition(" ")
+        raise UsageError(flag, reason) from None
+    kind = "exec" if args.no_python and not args.run_path else ("module" if args.module else "script")
+    if args.no_python and args.module:
+        raise UsageError("--no-python", "cannot be combined with --module")
+    agent = AgentSettings(
+        entrypoint=args.training_script, args=tuple(args.training_script_args), nproc=nproc,
+        run_id=run_id, host=local_addr or socket.gethostname(), kind=kind,
+        warm=args.start_method != "spawn" and kind != "exec", role=str(args.role),
+        max_restarts=_int("--max-restarts", args.max_restarts), monitor_interval=monitor,
+        shutdown_timeout=float(_int("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
+        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
+        signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
+        legacy_local_rank_arg=legacy and not args.use_env,
+    )
+    return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf, tuple(notices))
+
+
+def make_handler(rs: RunSettings) -> Any:
+    """The rendezvous handler for ``rs`` (imports torch: seconds, so only after parsing)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from .rendezvous import plugin
+
+    params = RendezvousParameters(
+        backend=rs.backend, endpoint=rs.endpoint, run_id=rs.agent.run_id, min_nodes=rs.min_nodes,
+        max_nodes=rs.max_nodes, local_addr=rs.local_addr, **dict(rs.rdzv_conf),
+    )
+    create = {"elasticstore": plugin.create_native_handler, "etcd": plugin.create_etcd_handler,
+              "static": plugin.create_static_handler}[rs.backend]
+    return create(params)
+
+
+def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
+    for notice in rs.notices:
+        print(f"[{prog}] {notice}", file=sys.stderr, flush=True)
+    a = rs.agent
+    print(f"[{prog}] job {a.run_id}: {rs.min_nodes}:{rs.max_nodes} node(s) x {a.nproc} worker(s), "
+          f"rendezvous {rs.backend} at {rs.endpoint}, {'warm start' if a.warm else 'plain processes'}, "
+          f"max restarts {a.max_restarts}; this node {a.host}", file=sys.stderr, flush=True)
+    from .agent import Agent
+
+    try:
+        handler = make_handler(rs)
+    except Exception as exc:
+        print(f"[{prog}] rendezvous: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return Agent(a, handler).run()
+
+
+def main(argv: Sequence[str] | None = None, legacy: bool = False, prog: str = "elasticstore-run") -> int:
+    try:
+        rs = parse(sys.argv[1:] if argv is None else argv, os.environ, legacy)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    return run(rs, prog)
+
+
+def main_exit() -> None:
+    """The console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_exit()

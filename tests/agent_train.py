@@ -1,0 +1,68 @@
+"""A training script written for torchrun (env://, @record), driven by the agent tests.
+
+Records what it sees in ``--dir``: ``start-<attempt>-<rank>.json`` at the top of the script (pid,
+whether torch was already imported, time from fork to here, __name__, argv, __file__) and
+``init-<attempt>-<rank>`` once past ``init_process_group``. Runs all_reduce steps until the file
+``release`` exists in ``--dir`` (decided by a MAX all_reduce, so every rank stops at one step).
+"""
+
+import json
+import os
+import sys
+import time
+
+_STARTED = time.time()
+_PRELOADED = "torch" in sys.modules
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--child", action="store_true", help="start a child process that sleeps")
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # the legacy launcher
+    args = p.parse_args()
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    forked = os.environ.get("ELASTICSTORE_FORKED_AT")
+    info = {
+        "pid": os.getpid(), "rank": rank, "attempt": attempt, "preloaded": _PRELOADED,
+        "fork_to_main": _STARTED - float(forked) if forked else None, "name": __name__,
+        "argv": sys.argv, "local_rank_arg": args.local_rank, "file": __file__, "world": int(os.environ["WORLD_SIZE"]),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHELASTIC", "ELASTICSTORE",
+                "MASTER", "GROUP", "ROLE", "LOCAL", "OMP", "TORCH_NCCL")) or k in ("RANK", "WORLD_SIZE")},
+    }
+    if args.child:
+        import subprocess
+
+        info["child"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+    path = os.path.join(args.dir, f"start-{attempt}-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)
+    if rank == args.fail_rank:
+        raise RuntimeError(f"rank {rank} fails on purpose")
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    with open(os.path.join(args.dir, f"init-{attempt}-{rank}"), "w") as f:
+        f.write(repr(time.time()))
+    release = os.path.join(args.dir, "release")
+    for _ in range(args.steps):
+        flag = torch.tensor([1.0 if os.path.exists(release) else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            break
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    print(f"rank {rank} done at world size {info['world']}", flush=True)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,106 @@
+"""elasticstore-run's flags: torchrun's defaults, both spellings, PET_* fallback, refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elasticstore.run import UsageError, parse
+
+EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
+
+
+def test_torchrun_defaults() -> None:
+    rs = parse(["train.py"], {})
+    a = rs.agent
+    assert (rs.min_nodes, rs.max_nodes, a.nproc, a.max_restarts) == (1, 1, 1, 0)
+    assert (a.monitor_interval, a.role, a.shutdown_timeout, a.kind) == (0.1, "default", 30.0, "script")
+    assert a.signals == tuple(int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT))
+    assert rs.backend == "elasticstore" and a.warm and a.args == ()
+    assert dict(a.extra_env) == {}  # one worker: OMP_NUM_THREADS untouched
+
+
+def test_dashed_and_underscored_spellings_and_script_args() -> None:
+    for flag in ("--nproc-per-node", "--nproc_per_node"):
+        rs = parse([flag, "3", "--max_restarts=2", "--nnodes", "1:4", *EP, "t.py", "--lr", "1"], {})
+        assert rs.agent.nproc == 3 and rs.agent.max_restarts == 2
+        assert (rs.min_nodes, rs.max_nodes) == (1, 4) and rs.agent.args == ("--lr", "1")
+    assert dict(rs.agent.extra_env) == {"OMP_NUM_THREADS": "1"}
+    assert dict(parse(["--nproc-per-node", "2", "t.py"], {"OMP_NUM_THREADS": "4"}).agent.extra_env) == {}
+
+
+def test_pet_environment_fallback_and_flag_precedence() -> None:
+    env = {"PET_NPROC_PER_NODE": "4", "PET_NNODES": "2", "PET_RDZV_ENDPOINT": "10.0.0.1:1234",
+           "PET_MAX_RESTARTS": "5", "PET_MODULE": "1", "PET_RDZV_CONF": "join_timeout=9"}
+    rs = parse(["pkg.mod"], env)
+    assert (rs.agent.nproc, rs.min_nodes, rs.endpoint, rs.agent.max_restarts) == (4, 2, "10.0.0.1:1234", 5)
+    assert rs.agent.kind == "module" and dict(rs.rdzv_conf) == {"join_timeout": "9"}
+    assert parse(["--nproc-per-node", "2", "pkg.mod"], env).agent.nproc == 2
+    assert parse(["t.py"], {"PET_STANDALONE": "1"}).backend == "elasticstore"
+
+
+def test_backends_and_their_notices() -> None:
+    assert parse(["--rdzv-backend", "c10d", *EP, "t.py"], {}).notices[0].startswith("--rdzv-backend c10d")
+    rs = parse(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379", "t.py"], {})
+    assert rs.backend == "etcd" and "etcd v3" in rs.notices[0]
+    st = parse(["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "1", "t.py"], {})
+    assert st.endpoint == "127.0.0.1:29500" and dict(st.rdzv_conf)["rank"] == "1"
+    sa = parse(["--standalone", "--rdzv-id", "x", "t.py"], {})
+    assert sa.endpoint.startswith("127.0.0.1:") and sa.agent.run_id != "x"
+
+
+def test_start_methods_and_output_flags() -> None:
+    assert not parse(["--start-method", "spawn", "t.py"], {}).agent.warm
+    rs = parse(["--no-python", "--nproc-per-node", "2", "-r", "3", "-t", "0:1,1:2",
+                "--local-ranks-filter", "0", "./a.out"], {})
+    assert rs.agent.kind == "exec" and not rs.agent.warm
+    assert rs.agent.redirects == {0: 3, 1: 3} and rs.agent.tee == {0: 1, 1: 2}
+    assert rs.agent.local_ranks_filter == frozenset({0})
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--nnodes", "3:2", *EP, "t.py"], "--nnodes"),
+        (["--nnodes", "x", "t.py"], "--nnodes"),
+        (["--nproc-per-node", "many", "t.py"], "--nproc-per-node"),
+        (["--nproc-per-node", "0", "t.py"], "--nproc-per-node"),
+        (["--rdzv-backend", "zookeeper", "t.py"], "--rdzv-backend"),
+        (["--max-restarts", "-1", "t.py"], "--max-restarts"),
+        (["--monitor-interval", "0", "t.py"], "--monitor-interval"),
+        (["--redirects", "7", "t.py"], "--redirects"),
+        (["--start-method", "thread", "t.py"], "--start-method"),
+        (["--signals-to-handle", "SIGNOPE", "t.py"], "--signals-to-handle"),
+        (["--nnodes", "2", "t.py"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
+        (["--rdzv-conf", "novalue", "t.py"], "--rdzv-conf"),
+        (["--logs-specs", "x", "t.py"], "--logs-specs"),
+        (["--numa-binding", "node", "t.py"], "--numa-binding"),
+        (["--virtual-local-rank", "t.py"], "--virtual-local-rank"),
+        (["--duplicate_stdout_filters", "a", "t.py"], "--duplicate_stdout_filters"),
+        (["--event-log-handler", "console", "t.py"], "--event-log-handler"),
+    ],
+)
+def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(UsageError, match=f"^{flag}: "):
+        parse(argv, {})
+
+
+def test_bad_flag_exits_2_with_one_line() -> None:
+    for argv in (["--nnodes", "3:2", "t.py"], ["--logs-specs", "x", "t.py"]):
+        proc = subprocess.run([sys.executable, "-m", "elasticstore.run", *argv],
+                              capture_output=True, text=True, timeout=60, env=dict(os.environ))
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and argv[0] in lines[0], proc.stderr
+
+
+def test_legacy_launch_flags() -> None:
+    assert parse(["t.py"], {}, legacy=True).agent.legacy_local_rank_arg
+    assert not parse(["--use-env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
+    assert not parse(["--use_env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
+    assert not parse(["t.py"], {"PET_USE_ENV": "1"}, legacy=True).agent.legacy_local_rank_arg
