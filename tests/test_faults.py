@@ -16,6 +16,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -86,16 +87,34 @@ class NsAgents(Agents):
         return agent
 
 
-def test_partitioned_node_dropped_within_the_lease_and_rejoins_after_heal(net: None) -> None:
-    """Native backend: two nodes in the root namespace, one in a namespace; its link is cut
-    (iptables DROP both ways: no FIN, no RST). The others drop it within the lease and form a
-    round without it; once healed it enters the next round (rank 2: after the old participants)."""
-    with netfaults.node(0, root_aliases=2) as n, \
-            elasticstore.StoreServer(n.root_addr, 0) as server, \
-            NsAgents({n.addr: n}, backend="elasticstore", endpoint=server.address,
-                     run_id="part", min=2, max=3, conf=FAST) as group:
+@contextmanager
+def _rendezvous_server(backend: str, n: netfaults.Node) -> Iterator[tuple[str, str]]:
+    """(endpoint for the root namespace's agents, endpoint for the node's): a native server on
+    the veth's root address, or a 1-member etcd on loopback reached from the node through a
+    plain relay on that address (etcd here listens on 127.0.0.1 only)."""
+    if backend == "elasticstore":
+        with elasticstore.StoreServer(n.root_addr, 0) as server:
+            yield server.address, server.address
+        return
+    with etcd_cluster.running(1) as cluster:
+        host, port = cluster.endpoints[0].rsplit(":", 1)
+        with netfaults.DelayRelay(n.root_addr, (host, int(port)), 0.0, 0.0) as relay:
+            yield cluster.endpoints[0], relay.address
+
+
+@pytest.mark.parametrize("backend", ["elasticstore", "elasticstore-etcd"])
+def test_partitioned_node_dropped_within_the_lease_and_rejoins_after_heal(
+    net: None, backend: str
+) -> None:
+    """Two nodes in the root namespace, one in a namespace; its link is cut (iptables DROP
+    both ways: no FIN, no RST). The others drop it within the lease (native: its heartbeat
+    stops; etcd: its lease expires) and form a round without it; once healed it enters the next
+    round (rank 2: after the old participants)."""
+    with netfaults.node(0, root_aliases=2) as n, _rendezvous_server(backend, n) as (ep, ep_n), \
+            NsAgents({n.addr: n}, backend=backend, endpoint=ep, run_id="part", min=2, max=3,
+                     conf=FAST) as group:
         a, b, c = group.start_together([*n.root_aliases, n.addr], rounds=3,
-                                       per={n.addr: {"rounds": 2}})
+                                       per={n.addr: {"rounds": 2, "endpoint": ep_n}})
         first = [x.expect("round", 60) for x in (a, b, c)]
         assert [(r["round"], r["rank"], r["world"]) for r in first] == [(1, 0, 3), (1, 1, 3),
                                                                          (1, 2, 3)]
@@ -114,7 +133,7 @@ def test_partitioned_node_dropped_within_the_lease_and_rejoins_after_heal(net: N
                                                                          (3, 2, 3)]
         assert not any(r["stale"] for r in third)
         back = max(r["t"] for r in third) - healed
-        print(f"\npartition (lease_ttl {FAST['lease_ttl']}s): -> num_nodes_waiting>0 "
+        print(f"\n{backend}: partition (lease_ttl {FAST['lease_ttl']}s): -> num_nodes_waiting>0 "
               f"{noticed:.2f}s; -> round without it {dropped:.2f}s; heal -> round with it "
               f"{back:.2f}s")
         assert noticed < 2 * float(FAST["lease_ttl"]) + 2
