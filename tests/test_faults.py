@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -212,6 +213,63 @@ def test_store_counters_exact_under_latency_jitter_and_loss(net: None) -> None:
         print(f"\n2% loss: 3 ops (add, set, get) per iteration: through the 50+/-10 ms relay "
               f"{per_op[0] * 1000:.0f} ms, direct {per_op[1] * 1000:.1f} ms per iteration; "
               f"counter exact ({3 * ops})")
+
+
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rdzv_train.py")
+
+
+def _torchrun(prefix: list[str], addr: str, endpoint: str, ifname: str, outdir: str,
+              log: str) -> subprocess.Popen[bytes]:
+    """One torchrun node (1 gloo worker) of a 2-node job, in its own process group."""
+    args = [*prefix, sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=elasticstore",
+            f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--nnodes=2", "--nproc-per-node=1",
+            f"--local-addr={addr}", "--max-restarts=0", "--monitor-interval=0.1",
+            "--rdzv-conf=last_call_timeout=1,join_timeout=90", TRAIN, outdir, "5", "0.1"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def test_gloo_job_through_torchrun_under_latency_jitter_and_loss(net: None, tmp_path: Any) -> None:
+    """torchrun with the ``elasticstore`` plugin, 2 nodes x 1 gloo worker: one node in the
+    root namespace (it hosts the rendezvous), one in a namespace whose link drops 2% of packets
+    each way and whose rendezvous connection goes through the 50 +/- 10 ms relay. The job's
+    all-reduces give the world size, and both nodes finish."""
+    with netfaults.node(5, root_aliases=1) as n:
+        with socket.socket() as sock:
+            sock.bind((n.root_aliases[0], 0))
+            port = int(sock.getsockname()[1])
+        endpoint = f"{n.root_aliases[0]}:{port}"
+        procs: list[subprocess.Popen[bytes]] = []
+        with netfaults.DelayRelay(n.root_addr, (n.root_aliases[0], port), 0.05, 0.01) as relay:
+            n.loss(0.02)
+            try:
+                t0 = time.monotonic()
+                procs = [
+                    _torchrun([], n.root_aliases[0], endpoint, n.dev_root, str(tmp_path),
+                              str(tmp_path / "root.log")),
+                    _torchrun(n.prefix(), n.addr, relay.address, n.dev_node, str(tmp_path),
+                              str(tmp_path / "node.log")),
+                ]
+                codes = [p.wait(timeout=100) for p in procs]
+                took = time.monotonic() - t0
+                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                                  for p in sorted(tmp_path.glob("*.log")))
+                assert codes == [0, 0], logs
+                assert sorted(p.name for p in tmp_path.glob("done-*")) == ["done-0-2",
+                                                                          "done-1-2"], logs
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # workers left in the group
+                    except ProcessLookupError:
+                        pass
+    print(f"\ntorchrun 2 nodes x 1 gloo worker, 5 all-reduces, one node at 50+/-10 ms "
+          f"(rendezvous) and 2% loss: both finished in {took:.1f}s")
 
 
 # --- a server killed or cut off under load ----------------------------------------------------
