@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
@@ -224,8 +224,8 @@ class DelayRelay:
         self.port = int(self._listener.getsockname()[1])
         self._spawn(self._accept)
 
-    def _spawn(self, fn: object, *args: object) -> None:
-        thread = threading.Thread(target=fn, args=args, daemon=True)  # type: ignore[arg-type]
+    def _spawn(self, fn: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=fn, args=args, daemon=True)
         with self._lock:
             self._threads.append(thread)
         thread.start()

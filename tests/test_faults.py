@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,7 +57,7 @@ def net() -> Iterator[None]:
 class NsAgent(Agent):
     """``rdzv_agent.py`` run with a command prefix (``ip netns exec NS``)."""
 
-    def __init__(self, cfg: dict[str, Any], prefix: list[str]) -> None:  # noqa: D107
+    def __init__(self, cfg: dict[str, Any], prefix: list[str]) -> None:
         self.cfg = cfg
         self.addr = cfg["addr"]
         self.proc = subprocess.Popen(
@@ -63,8 +65,6 @@ class NsAgent(Agent):
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )
-        import queue
-
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stderr: list[str] = []
         self._threads = [threading.Thread(target=self._read, daemon=True),
@@ -231,7 +231,7 @@ def _torchrun(prefix: list[str], addr: str, endpoint: str, ifname: str, outdir: 
                                 start_new_session=True)
 
 
-def test_gloo_job_through_torchrun_under_latency_jitter_and_loss(net: None, tmp_path: Any) -> None:
+def test_gloo_job_through_torchrun_under_latency_jitter_and_loss(net: None, tmp_path: Path) -> None:
     """torchrun with the ``elasticstore`` plugin, 2 nodes x 1 gloo worker: one node in the
     root namespace (it hosts the rendezvous), one in a namespace whose link drops 2% of packets
     each way and whose rendezvous connection goes through the 50 +/- 10 ms relay. The job's
