@@ -544,18 +544,21 @@ def test_half_open_client_mid_frame_is_closed_by_the_frame_timeout(net: None) ->
 # --- etcd: a member lost during a round -------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim,delay", [("first-endpoint", 0.0), ("leader", 0.05)])
+@pytest.mark.parametrize("victim,delay", [("follower", 0.0), ("leader", 0.05)])
 def test_etcd_member_lost_mid_round_costs_only_time(victim: str, delay: float) -> None:
-    """3-member etcd cluster, 3 agents in a round (lease TTL 1 s): a member (the one serving
-    ``endpoints[0]``, which the agents use first, or the leader) is SIGKILLed while the round
-    runs, so their watches and lease keep-alives move to another member; then an agent is
+    """3-member etcd cluster, 3 agents in a round (lease TTL 1 s): a member (a follower or the
+    leader, listed first in the agents' endpoints so that they use it) is SIGKILLed while the
+    round runs, so their watches and lease keep-alives move to another member; then an agent is
     SIGKILLed: the survivors still get the next round. With ``delay``, the agents reach every
     member through a relay adding delay +/- 20% each way (etcd runs on loopback, where no
     fault is injected below TCP)."""
     with etcd_cluster.running(3) as cluster:
+        leader = cluster.leader()
+        lost = leader if victim == "leader" else next(m for m in cluster.members if m is not leader)
+        ordered = [lost.endpoint] + [m.endpoint for m in cluster.members if m is not lost]
         relays = [netfaults.DelayRelay("127.0.0.1", (h, int(p)), delay, delay / 5)
-                  for h, p in (e.rsplit(":", 1) for e in cluster.endpoints)] if delay else []
-        endpoints = [r.address for r in relays] or cluster.endpoints
+                  for h, p in (e.rsplit(":", 1) for e in ordered)] if delay else []
+        endpoints = [r.address for r in relays] or ordered
         try:
             conf = {**FAST, "lease_ttl": 1, "last_call_timeout": 2.0 if delay else 0.3}
             with Agents(backend="elasticstore-etcd", endpoint=",".join(endpoints),
@@ -563,9 +566,7 @@ def test_etcd_member_lost_mid_round_costs_only_time(victim: str, delay: float) -
                 nodes = group.start_together([f"127.0.0.{i}" for i in (2, 3, 4)], rounds=2)
                 first = [x.expect("round", 60) for x in nodes]
                 assert [r["rank"] for r in first] == [0, 1, 2]
-                leader = cluster.leader()
-                lost = leader if victim == "leader" else cluster.members[0]
-                role = "leader" if lost is leader else "follower"
+                role = "leader" if cluster.leader() is lost else "follower"
                 lost_at = time.time()
                 lost.kill()
                 time.sleep(3.0)  # past the lease TTL: keep-alives must have moved on
