@@ -1,0 +1,585 @@
+"""Faults: partitions, latency, jitter and loss on a simulated node's link (a network namespace,
+see ``netfaults.py``), servers and clients killed mid-way, an etcd member lost mid-round.
+
+Each test prints its figures (run with ``-s``); each cleans up its processes, namespaces, veths
+and rules in ``finally``/``with`` blocks and checks nothing of them is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import etcd_cluster  # noqa: E402
+import netfaults  # noqa: E402
+from rdzv_procs import AGENT, Agent, Agents  # noqa: E402
+
+import elasticstore  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAST = {"last_call_timeout": 0.3, "join_timeout": 60, "lease_ttl": 2, "store_timeout": 30}
+
+
+@pytest.fixture
+def net() -> Iterator[None]:
+    """Skips without root/namespaces/iptables; afterwards checks no namespace or veth is left."""
+    reason = netfaults.available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        yield
+    finally:
+        assert netfaults.leftovers() == [], "a namespace or veth was left behind"
+
+
+# --- simulated rendezvous nodes, some inside a namespace -------------------------------------
+
+
+class NsAgent(Agent):
+    """``rdzv_agent.py`` run with a command prefix (``ip netns exec NS``)."""
+
+    def __init__(self, cfg: dict[str, Any], prefix: list[str]) -> None:
+        self.cfg = cfg
+        self.addr = cfg["addr"]
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, AGENT, json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stderr: list[str] = []
+        self._threads = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=self._read_err, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+
+class NsAgents(Agents):
+    """Agents; those whose address is in ``inside`` run in that node's namespace."""
+
+    def __init__(self, inside: dict[str, netfaults.Node], **common: Any) -> None:
+        super().__init__(**common)
+        self.inside = inside
+
+    def start(self, addr: str, **overrides: Any) -> Agent:
+        if addr not in self.inside:
+            return super().start(addr, **overrides)
+        agent = NsAgent({**self.common, "addr": addr, **overrides}, self.inside[addr].prefix())
+        self.agents.append(agent)
+        return agent
+
+
+@contextmanager
+def _rendezvous_server(backend: str, n: netfaults.Node) -> Iterator[tuple[str, str]]:
+    """(endpoint for the root namespace's agents, endpoint for the node's): a native server on
+    the veth's root address, or a 1-member etcd on loopback reached from the node through a
+    plain relay on that address (etcd here listens on 127.0.0.1 only)."""
+    if backend == "elasticstore":
+        with elasticstore.StoreServer(n.root_addr, 0) as server:
+            yield server.address, server.address
+        return
+    with etcd_cluster.running(1) as cluster:
+        host, port = cluster.endpoints[0].rsplit(":", 1)
+        with netfaults.DelayRelay(n.root_addr, (host, int(port)), 0.0, 0.0) as relay:
+            yield cluster.endpoints[0], relay.address
+
+
+@pytest.mark.parametrize("backend", ["elasticstore", "elasticstore-etcd"])
+def test_partitioned_node_dropped_within_the_lease_and_rejoins_after_heal(
+    net: None, backend: str
+) -> None:
+    """Two nodes in the root namespace, one in a namespace; its link is cut (iptables DROP
+    both ways: no FIN, no RST). The others drop it within the lease (native: its heartbeat
+    stops; etcd: its lease expires) and form a round without it; once healed it enters the next
+    round (rank 2: after the old participants)."""
+    with netfaults.node(0, root_aliases=2) as n, _rendezvous_server(backend, n) as (ep, ep_n), \
+            NsAgents({n.addr: n}, backend=backend, endpoint=ep, run_id="part", min=2, max=3,
+                     conf=FAST) as group:
+        a, b, c = group.start_together([*n.root_aliases, n.addr], rounds=3,
+                                       per={n.addr: {"rounds": 2, "endpoint": ep_n}})
+        first = [x.expect("round", 60) for x in (a, b, c)]
+        assert [(r["round"], r["rank"], r["world"]) for r in first] == [(1, 0, 3), (1, 1, 3),
+                                                                         (1, 2, 3)]
+        cut = n.partition()
+        noticed = max(x.expect("waiting", 20)["t"] for x in (a, b)) - cut
+        second = [x.expect("round", 30) for x in (a, b)]
+        assert [(r["round"], r["rank"], r["world"]) for r in second] == [(2, 0, 2), (2, 1, 2)]
+        dropped = max(r["t"] for r in second) - cut
+        time.sleep(1.0)  # partitioned for a while longer: nothing else happens meanwhile
+        assert a.events.empty() and b.events.empty()
+        healed = n.heal()
+        for x in (a, b):
+            x.expect("waiting", 40)
+        third = [x.expect("round", 40) for x in (a, b, c)]
+        assert [(r["round"], r["rank"], r["world"]) for r in third] == [(3, 0, 3), (3, 1, 3),
+                                                                         (3, 2, 3)]
+        assert not any(r["stale"] for r in third)
+        back = max(r["t"] for r in third) - healed
+        print(f"\n{backend}: partition (lease_ttl {FAST['lease_ttl']}s): -> num_nodes_waiting>0 "
+              f"{noticed:.2f}s; -> round without it {dropped:.2f}s; heal -> round with it "
+              f"{back:.2f}s")
+        assert noticed < 2 * float(FAST["lease_ttl"]) + 2
+
+
+def test_rendezvous_under_latency_jitter_and_loss(net: None) -> None:
+    """The namespaced node's link drops 2% of packets each way (iptables) and its rendezvous
+    connection goes through a relay adding 50 ms +/- 10 ms each way: rounds still form, with
+    the right ranks, also after a node is lost. (The last call is 2 s here: with 0.3 s the slow
+    node, whose join takes several round trips, misses the first round and enters the second.)"""
+    with netfaults.node(1, root_aliases=2) as n, \
+            elasticstore.StoreServer(n.root_addr, 0) as server, \
+            netfaults.DelayRelay(n.root_addr, (server.host, server.port), 0.05, 0.01) as relay:
+        n.loss(0.02)
+        with NsAgents({n.addr: n}, backend="elasticstore", endpoint=server.address,
+                      run_id="slow", min=2, max=3,
+                      conf={**FAST, "last_call_timeout": 2.0}) as group:  # > the slow join
+            a, b, c = group.start_together([*n.root_aliases, n.addr], rounds=2,
+                                           per={n.addr: {"endpoint": relay.address}})
+            go = time.time()
+            first = [x.expect("round", 60) for x in (a, b, c)]
+            assert [(r["round"], r["rank"], r["world"]) for r in first] == [
+                (1, 0, 3), (1, 1, 3), (1, 2, 3)]
+            formed = max(r["t"] for r in first) - go
+            killed = b.kill()
+            noticed = max(x.expect("waiting", 20)["t"] for x in (a, c)) - killed
+            second = [x.expect("round", 40) for x in (a, c)]
+            assert [(r["round"], r["rank"], r["world"]) for r in second] == [(2, 0, 2),
+                                                                             (2, 1, 2)]
+            again = max(r["t"] for r in second) - killed
+        print(f"\n50+/-10 ms each way, 2% loss: round of 3 formed {formed:.2f}s after go; "
+              f"node SIGKILLed -> num_nodes_waiting>0 {noticed:.2f}s; -> round of 2 {again:.2f}s")
+
+
+COUNTER_SCRIPT = """
+import sys, time
+from datetime import timedelta
+import elasticstore
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+st = elasticstore.Store(host, port, timeout=timedelta(seconds=30))
+t0 = time.monotonic()
+for i in range(n):
+    st.add("counter", 1)
+    st.set(f"k/{sys.argv[4]}/{i}", str(i))
+    assert st.get(f"k/{sys.argv[4]}/{i}") == str(i).encode()
+print(f"{(time.monotonic() - t0) / n:.4f}", flush=True)
+"""
+
+
+def test_store_counters_exact_under_latency_jitter_and_loss(net: None) -> None:
+    """Store clients in the namespace (one through the 50+/-10 ms relay, one direct) and one in
+    the root namespace add to one counter over a 2%-lossy link: the count is exact."""
+    ops = 60
+    with netfaults.node(2) as n, elasticstore.StoreServer(n.root_addr, 0) as server, \
+            netfaults.DelayRelay(n.root_addr, (server.host, server.port), 0.05, 0.01) as relay:
+        n.loss(0.02)
+        procs = [subprocess.Popen([*n.prefix(), sys.executable, "-c", COUNTER_SCRIPT, host,
+                                   str(port), str(ops), tag],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for host, port, tag in ((n.root_addr, relay.port, "relay"),
+                                         (server.host, server.port, "direct"))]
+        try:
+            with elasticstore.Store(server.host, server.port, timeout=timedelta(seconds=30)) as st:
+                for _ in range(ops):
+                    st.add("counter", 1)
+                outs = [p.communicate(timeout=90) for p in procs]
+                assert [p.returncode for p in procs] == [0, 0], outs
+                assert int(st.get("counter")) == 3 * ops
+                assert len(st.list_keys("k/")) == 2 * ops
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=30)
+        per_op = [float(o[0].strip()) for o in outs]
+        print(f"\n2% loss: 3 ops (add, set, get) per iteration: through the 50+/-10 ms relay "
+              f"{per_op[0] * 1000:.0f} ms, direct {per_op[1] * 1000:.1f} ms per iteration; "
+              f"counter exact ({3 * ops})")
+
+
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rdzv_train.py")
+
+
+def _torchrun(prefix: list[str], addr: str, endpoint: str, ifname: str, outdir: str,
+              log: str) -> subprocess.Popen[bytes]:
+    """One torchrun node (1 gloo worker) of a 2-node job, in its own process group."""
+    args = [*prefix, sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=elasticstore",
+            f"--rdzv-endpoint={endpoint}", "--rdzv-id=job", "--nnodes=2", "--nproc-per-node=1",
+            f"--local-addr={addr}", "--max-restarts=0", "--monitor-interval=0.1",
+            "--rdzv-conf=last_call_timeout=1,join_timeout=90", TRAIN, outdir, "5", "0.1"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=ifname, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def test_gloo_job_through_torchrun_under_latency_jitter_and_loss(net: None, tmp_path: Path) -> None:
+    """torchrun with the ``elasticstore`` plugin, 2 nodes x 1 gloo worker: one node in the
+    root namespace (it hosts the rendezvous), one in a namespace whose link drops 2% of packets
+    each way and whose rendezvous connection goes through the 50 +/- 10 ms relay. The job's
+    all-reduces give the world size, and both nodes finish."""
+    with netfaults.node(5, root_aliases=1) as n:
+        with socket.socket() as sock:
+            sock.bind((n.root_aliases[0], 0))
+            port = int(sock.getsockname()[1])
+        endpoint = f"{n.root_aliases[0]}:{port}"
+        procs: list[subprocess.Popen[bytes]] = []
+        with netfaults.DelayRelay(n.root_addr, (n.root_aliases[0], port), 0.05, 0.01) as relay:
+            n.loss(0.02)
+            try:
+                t0 = time.monotonic()
+                procs = [
+                    _torchrun([], n.root_aliases[0], endpoint, n.dev_root, str(tmp_path),
+                              str(tmp_path / "root.log")),
+                    _torchrun(n.prefix(), n.addr, relay.address, n.dev_node, str(tmp_path),
+                              str(tmp_path / "node.log")),
+                ]
+                codes = [p.wait(timeout=100) for p in procs]
+                took = time.monotonic() - t0
+                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                                  for p in sorted(tmp_path.glob("*.log")))
+                assert codes == [0, 0], logs
+                assert sorted(p.name for p in tmp_path.glob("done-*")) == ["done-0-2",
+                                                                          "done-1-2"], logs
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)  # workers left in the group
+                    except ProcessLookupError:
+                        pass
+    print(f"\ntorchrun 2 nodes x 1 gloo worker, 5 all-reduces, one node at 50+/-10 ms "
+          f"(rendezvous) and 2% loss: both finished in {took:.1f}s")
+
+
+# --- a server killed or cut off under load ----------------------------------------------------
+
+
+def _server_binary() -> str:
+    path = os.path.join(sysconfig.get_path("scripts"), "elasticstore-server")
+    assert os.access(path, os.X_OK), f"{path} is not installed with the package"
+    return path
+
+
+def _start_server(host: str, prefix: list[str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([*(prefix or []), _server_binary(), "--host", host, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # bounded by the test timeout
+    assert line.startswith(f"elasticstore server listening on {host}:"), line
+    return proc, int(line.strip().rsplit(":", 1)[1])
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=30)
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+class Load:
+    """Client threads, each with its own ``Store``, looping over set/add/get/check (and one
+    blocked server-side in ``get`` of a missing key) until their first error, recorded with
+    its wall time. Bounded: every thread stops after ``limit`` seconds."""
+
+    def __init__(self, host: str, port: int, clients: int, timeout: float,
+                 connect_timeout: float, limit: float = 60.0) -> None:
+        self.errors: dict[str, tuple[float, BaseException]] = {}
+        self.ops = [0] * clients
+        self._stop = False
+        self.stores = [elasticstore.Store(host, port, timeout=timedelta(seconds=timeout),
+                                          connect_timeout=timedelta(seconds=connect_timeout))
+                       for _ in range(clients + 1)]
+        self.threads = [threading.Thread(target=self._loop, args=(i, limit), daemon=True)
+                        for i in range(clients)]
+        self.threads.append(threading.Thread(target=self._blocked, daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def _loop(self, i: int, limit: float) -> None:
+        st, end = self.stores[i], time.monotonic() + limit
+        try:
+            while not self._stop and time.monotonic() < end:
+                st.set(f"k{i}", str(self.ops[i]))
+                st.add("n", 1)
+                st.get(f"k{i}")
+                st.check([f"k{i}"])
+                self.ops[i] += 1
+        except BaseException as exc:  # noqa: BLE001 (recorded for the test)
+            self.errors[f"loop{i}"] = (time.time(), exc)
+
+    def _blocked(self) -> None:
+        try:
+            self.stores[-1].get("never")  # waits server-side up to its timeout
+        except BaseException as exc:  # noqa: BLE001
+            self.errors["blocked-get"] = (time.time(), exc)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._stop = True
+
+    def close(self) -> None:
+        self._stop = True
+        for st in self.stores:
+            st.close()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("connect_timeout", [3.0, 30.0])
+def test_server_sigkilled_under_load_every_client_fails_naming_it(connect_timeout: float) -> None:
+    """SIGKILL of ``elasticstore-server`` while 4 clients loop and one waits in ``get``: every
+    client raises ``DistNetworkError`` naming host:port, promptly (the in-flight call fails
+    at once; a call that starts after the kill retries connecting for ``connect_timeout``)."""
+    proc, port = _start_server("127.0.0.1")
+    endpoint = f"127.0.0.1:{port}"
+    load = Load("127.0.0.1", port, 4, timeout=30, connect_timeout=connect_timeout)
+    try:
+        time.sleep(1.0)
+        assert all(n > 0 for n in load.ops) and not load.errors, load.errors
+        killed = time.time()
+        proc.send_signal(signal.SIGKILL)
+        load.join(connect_timeout + 15)
+        assert len(load.errors) == 5, f"clients still running: {set(range(5)) - set(load.errors)}"
+        delays = {}
+        for name, (t, exc) in load.errors.items():
+            assert isinstance(exc, dist.DistNetworkError), (name, repr(exc))
+            assert endpoint in str(exc), (name, str(exc))
+            delays[name] = t - killed
+        print(f"\nserver SIGKILLed under load (connect_timeout {connect_timeout:g}s): client "
+              f"failures after " + ", ".join(f"{k} {v:.3f}s" for k, v in sorted(delays.items())))
+        print("  e.g. " + str(load.errors["blocked-get"][1]).splitlines()[0])
+        assert max(delays.values()) < connect_timeout + 2.0
+        if connect_timeout <= 3.0:  # a later call retries connecting for connect_timeout
+            t0 = time.monotonic()
+            with pytest.raises(dist.DistNetworkError, match=endpoint.replace(".", r"\.")):
+                load.stores[0].add("n", 1)
+            print(f"  next call after the kill: DistNetworkError after "
+                  f"{time.monotonic() - t0:.2f}s (connect_timeout {connect_timeout:g}s)")
+            assert time.monotonic() - t0 < connect_timeout + 2.0
+    finally:
+        load.close()
+        _stop(proc)
+
+
+def test_silent_server_every_client_fails_within_its_timeout(net: None) -> None:
+    """The server runs in a namespace whose link is then cut (no FIN, no RST): every client
+    raises ``DistNetworkError`` naming host:port within its timeout, none hangs."""
+    with netfaults.node(3) as n:
+        proc, port = _start_server(n.addr, n.prefix())
+        endpoint = f"{n.addr}:{port}"
+        timeout = 3.0
+        load = Load(n.addr, port, 4, timeout=timeout, connect_timeout=timeout)
+        try:
+            time.sleep(1.0)
+            assert all(k > 0 for k in load.ops) and not load.errors, load.errors
+            cut = n.partition()
+            load.join(3 * timeout + 15)
+            assert len(load.errors) == 5, f"running: {set(range(5)) - set(load.errors)}"
+            delays = {}
+            for name, (t, exc) in load.errors.items():
+                assert isinstance(exc, dist.DistNetworkError), (name, repr(exc))
+                assert endpoint in str(exc), (name, str(exc))
+                delays[name] = t - cut
+            print(f"\nserver cut off (client timeout {timeout:g}s): client failures after "
+                  + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(delays.items())))
+            print("  e.g. " + str(load.errors["loop0"][1]).splitlines()[0])
+            assert max(delays.values()) < 2 * timeout + 2.0
+        finally:
+            load.close()
+            _stop(proc)
+
+
+# --- clients killed mid-frame -----------------------------------------------------------------
+
+HALF_FRAME = """
+import socket, struct, sys, time
+host, port, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection((host, port), timeout=10)
+def frame(op, rid, payload):
+    return struct.pack("<IBI", 5 + len(payload), op, rid) + payload
+def b(x):
+    return struct.pack("<I", len(x)) + x
+if kind == "tcpstore":  # torch's protocol: VALIDATE (0x00) then half of its u32 magic
+    s.sendall(b"\\x00\\x3c")
+else:
+    s.sendall(b"ESTO" + frame(1, 1, struct.pack("<I", 1) + b(b"half")))
+    hdr = s.recv(9)
+    assert len(hdr) == 9 and hdr[4] == 0, hdr
+    s.recv(struct.unpack("<I", hdr[:4])[0] - 5)
+    s.sendall(frame(2, 2, b(b"eph/" + kind.encode()) + b(b"x") + b"\\x01"))  # ephemeral set
+    s.recv(9 + 8)
+    value = b"v" * (1 << 20)
+    whole = frame(2, 3, b(b"big") + b(value) + b"\\x00")
+    s.sendall(whole[: len(whole) // 2])  # half of a 1 MiB set
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def _half_frame_client(host: str, port: int, kind: str,
+                       prefix: list[str] | None = None) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-c", HALF_FRAME, host, str(port),
+                             kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line == "sent\n", (line, proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
+def _until(cond: Any, timeout: float) -> float:
+    """Seconds until ``cond()`` holds (polled every 20 ms); raises after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_clients_sigkilled_mid_frame_leave_the_server_unaffected() -> None:
+    """20 clients each send half a frame (16 half of a 1 MiB native SET, 4 half a TCPStore
+    VALIDATE), then are SIGKILLed; meanwhile another client keeps working: its counter is
+    exact, the server frees their connections, buffers and session keys, its memory stays
+    bounded, and it serves the next 20 the same (no growth)."""
+    proc, port = _start_server("127.0.0.1")
+    try:
+        with elasticstore.Store("127.0.0.1", port, timeout=timedelta(seconds=30)) as st:
+            st.set("kept", "1")
+            base = st.stats()
+            rss0 = _rss_kib(proc.pid)
+            rss = []
+            for batch in range(2):
+                kinds = [f"n{batch}-{i}" for i in range(16)] + ["tcpstore"] * 4
+                clients = [_half_frame_client("127.0.0.1", port, k) for k in kinds]
+                try:
+                    # accepted and read by the server (the last bytes may still be in flight)
+                    _until(lambda: st.stats()["connections"] == base["connections"] + 20, 10)
+                    _until(lambda: st.stats()["bytes_buffered"] >= 16 * (1 << 19), 10)
+                    assert len(st.list_keys("eph/")) == 16
+                    for i in range(50):
+                        assert st.add("counter", 1) == 50 * batch + i + 1
+                    rss.append(_rss_kib(proc.pid))
+                    killed = time.time()
+                    for c in clients:
+                        c.send_signal(signal.SIGKILL)
+                    freed = _until(lambda: st.stats()["connections"] == base["connections"], 10)
+                finally:
+                    for c in clients:
+                        _stop(c)
+                after = st.stats()
+                assert after["bytes_buffered"] == base["bytes_buffered"], after
+                assert st.list_keys("eph/") == [] and st.get("kept") == b"1"
+                assert not st.check(["big"])  # the half-sent SETs were never applied
+                print(f"\nbatch {batch}: 20 clients SIGKILLed mid-frame: connections freed "
+                      f"{freed:.3f}s after the kill ({time.time() - killed:.2f}s incl. checks); "
+                      f"server RSS {rss0 // 1024} MiB before, {rss[-1] // 1024} MiB with 8 MiB "
+                      f"of half frames buffered, {_rss_kib(proc.pid) // 1024} MiB after")
+            assert int(st.get("counter")) == 100
+            assert _rss_kib(proc.pid) < rss0 + 64 * 1024  # bounded, not one 1 MiB per client kept
+            assert proc.poll() is None
+    finally:
+        _stop(proc)
+
+
+def test_half_open_client_mid_frame_is_closed_by_the_frame_timeout(net: None) -> None:
+    """A client in a namespace sends half a frame, then its link goes down and it is SIGKILLed:
+    its FIN never arrives (a half-open connection). Others keep working; the server closes the
+    half-open connection when the frame timeout (30 s) passes, and its ephemeral key goes."""
+    with netfaults.node(4) as n:
+        proc, port = _start_server(n.root_addr)
+        client: subprocess.Popen[str] | None = None
+        try:
+            with elasticstore.Store(n.root_addr, port, timeout=timedelta(seconds=30)) as st:
+                base = st.stats()["connections"]
+                client = _half_frame_client(n.root_addr, port, "halfopen", n.prefix())
+                assert st.stats()["connections"] == base + 1
+                cut = n.link_down()
+                client.send_signal(signal.SIGKILL)
+                _stop(client)
+                for i in range(100):
+                    assert st.add("counter", 1) == i + 1
+                assert st.stats()["connections"] == base + 1  # no FIN came: still open
+                _until(lambda: st.stats()["connections"] == base, 45)
+                closed = time.time() - cut
+                assert st.list_keys("eph/") == [] and st.stats()["bytes_buffered"] == 0
+                print(f"\nhalf-open client with half a frame: closed by the server "
+                      f"{closed:.1f}s after its link went down (frame timeout 30 s); "
+                      f"other clients unaffected")
+        finally:
+            if client is not None:
+                _stop(client)
+            _stop(proc)
+
+
+# --- etcd: a member lost during a round -------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim,delay", [("follower", 0.0), ("leader", 0.05)])
+def test_etcd_member_lost_mid_round_costs_only_time(victim: str, delay: float) -> None:
+    """3-member etcd cluster, 3 agents in a round (lease TTL 1 s): a member (a follower or the
+    leader, listed first in the agents' endpoints so that they use it) is SIGKILLed while the
+    round runs, so their watches and lease keep-alives move to another member; then an agent is
+    SIGKILLed: the survivors still get the next round. With ``delay``, the agents reach every
+    member through a relay adding delay +/- 20% each way (etcd runs on loopback, where no
+    fault is injected below TCP)."""
+    with etcd_cluster.running(3) as cluster:
+        leader = cluster.leader()
+        lost = leader if victim == "leader" else next(m for m in cluster.members if m is not leader)
+        ordered = [lost.endpoint] + [m.endpoint for m in cluster.members if m is not lost]
+        relays = [netfaults.DelayRelay("127.0.0.1", (h, int(p)), delay, delay / 5)
+                  for h, p in (e.rsplit(":", 1) for e in ordered)] if delay else []
+        endpoints = [r.address for r in relays] or ordered
+        try:
+            conf = {**FAST, "lease_ttl": 1, "last_call_timeout": 2.0 if delay else 0.3}
+            with Agents(backend="elasticstore-etcd", endpoint=",".join(endpoints),
+                        run_id="memberloss", min=2, max=3, conf=conf) as group:
+                nodes = group.start_together([f"127.0.0.{i}" for i in (2, 3, 4)], rounds=2)
+                first = [x.expect("round", 60) for x in nodes]
+                assert [r["rank"] for r in first] == [0, 1, 2]
+                role = "leader" if cluster.leader() is lost else "follower"
+                lost_at = time.time()
+                lost.kill()
+                time.sleep(3.0)  # past the lease TTL: keep-alives must have moved on
+                assert all(x.events.empty() for x in nodes), [x.events.queue for x in nodes]
+                killed = nodes[2].kill()
+                noticed = max(x.expect("waiting", 30)["t"] for x in nodes[:2]) - killed
+                second = [x.expect("round", 40) for x in nodes[:2]]
+                assert [(r["round"], r["rank"], r["world"]) for r in second] == [
+                    (2, 0, 2), (2, 1, 2)]
+                again = max(r["t"] for r in second) - killed
+        finally:
+            for relay in relays:
+                relay.close()
+    print(f"\netcd {role} member SIGKILLed mid-round ({delay * 1000:.0f} ms relay): round kept "
+          f"({killed - lost_at:.1f}s later still running); then an agent SIGKILLed -> "
+          f"num_nodes_waiting>0 {noticed:.2f}s; -> round of 2 {again:.2f}s")
