@@ -281,8 +281,10 @@ def _server_binary() -> str:
     return path
 
 
-def _start_server(host: str, prefix: list[str] | None = None) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([*(prefix or []), _server_binary(), "--host", host, "--port", "0"],
+def _start_server(host: str, prefix: list[str] | None = None,
+                  options: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([*(prefix or []), _server_binary(), "--host", host, "--port", "0",
+                             *options],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # bounded by the test timeout
@@ -514,9 +516,10 @@ def test_clients_sigkilled_mid_frame_leave_the_server_unaffected() -> None:
 def test_half_open_client_mid_frame_is_closed_by_the_frame_timeout(net: None) -> None:
     """A client in a namespace sends half a frame, then its link goes down and it is SIGKILLed:
     its FIN never arrives (a half-open connection). Others keep working; the server closes the
-    half-open connection when the frame timeout (30 s) passes, and its ephemeral key goes."""
+    half-open connection when the frame timeout passes (5 s here, ``--frame-timeout-ms``; 30 s by
+    default), and its ephemeral key goes."""
     with netfaults.node(4) as n:
-        proc, port = _start_server(n.root_addr)
+        proc, port = _start_server(n.root_addr, options=("--frame-timeout-ms", "5000"))
         client: subprocess.Popen[str] | None = None
         try:
             with elasticstore.Store(n.root_addr, port, timeout=timedelta(seconds=30)) as st:
@@ -529,11 +532,11 @@ def test_half_open_client_mid_frame_is_closed_by_the_frame_timeout(net: None) ->
                 for i in range(100):
                     assert st.add("counter", 1) == i + 1
                 assert st.stats()["connections"] == base + 1  # no FIN came: still open
-                _until(lambda: st.stats()["connections"] == base, 45)
+                _until(lambda: st.stats()["connections"] == base, 20)
                 closed = time.time() - cut
                 assert st.list_keys("eph/") == [] and st.stats()["bytes_buffered"] == 0
                 print(f"\nhalf-open client with half a frame: closed by the server "
-                      f"{closed:.1f}s after its link went down (frame timeout 30 s); "
+                      f"{closed:.1f}s after its link went down (frame timeout 5 s); "
                       f"other clients unaffected")
         finally:
             if client is not None:
