@@ -55,6 +55,13 @@ class CompactedError : public StoreError {
  private:
   uint64_t oldest_revision_;
 };
+// The handshake failed to authenticate: wrong or missing token on either side, or a server that
+// could not prove it holds the client's token. The connection is closed; no key was touched.
+// Not retried: reconnecting cannot fix it.
+class AuthenticationError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
 // ClientOptions::interrupt_check returned true while waiting. The connection is closed.
 class InterruptedError : public StoreError {
  public:
@@ -79,6 +86,9 @@ struct ClientOptions {
   Timeout op_timeout{300'000};
   // Sent in HELLO (at most kMaxClientNameBytes).
   std::string client_name;
+  // The server's shared token (docs/authentication.md); empty: connect without authentication.
+  // With one, the client proves it in the handshake and refuses a server that cannot prove it.
+  std::string token;
   // Polled at least every kInterruptPollMs while waiting; returning true closes the connection
   // and throws InterruptedError. Called without any lock of the client held by the caller thread
   // other than the client's own call mutex.
@@ -193,6 +203,9 @@ class Client {
   // backoff and waiting against deadlines are the transport's (client_transport.hpp).
   void connect_locked(Timeout timeout);
   void handshake_locked(Clock::time_point deadline);
+  void authenticate_locked(Clock::time_point deadline, const std::string& client_nonce,
+                           std::string_view server_nonce);
+  [[noreturn]] void fail_auth_locked(const std::string& why);
   void ensure_connected_locked();
   void close_fd_locked();
 

@@ -3,12 +3,13 @@
 #include <cstdint>
 #include <string_view>
 
+#include "auth.hpp"
 #include "protocol.hpp"
 
 namespace elasticstore {
 namespace {
 
-enum class Outcome { Replied, Greeted, Malformed };
+enum class Outcome { Replied, Malformed };
 
 struct Request {
   CommandContext& ctx;
@@ -62,18 +63,6 @@ void read_keys(Reader& r, std::vector<std::string_view>* keys, std::string* too_
     if (k.size() > kMaxKeyBytes && too_large->empty()) *too_large = over("key", k.size(), kMaxKeyBytes);
     if (too_large->empty()) keys->push_back(k);
   }
-}
-
-Outcome op_hello(Request& q) {
-  const uint32_t version = q.r.u32();
-  q.r.bytes(kMaxClientNameBytes);
-  if (!q.r.done()) return Outcome::Malformed;
-  if (version != kProtocolVersion)
-    return refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version));
-  Reply rep(q.ctx.out, Status::Ok, q.id);
-  rep.w.u32(kProtocolVersion);
-  rep.w.u64(q.ctx.conn);
-  return Outcome::Greeted;
 }
 
 Outcome op_set(Request& q) {
@@ -285,11 +274,26 @@ Outcome op_stats(Request& q) {
   return Outcome::Replied;
 }
 
+// ALLOW_PEERS: `keys` of addresses or CIDRs that may use torch's protocol (see auth.hpp). Only a
+// greeted, hence authenticated when the server has a token, connection gets here.
+Outcome op_allow_peers(Request& q) {
+  const uint32_t n = q.r.count(kMaxAllowedPeers, 4);
+  std::vector<std::string_view> addrs;
+  addrs.reserve(n);
+  for (uint32_t i = 0; i < n && q.r.ok(); ++i) addrs.push_back(q.r.bytes(kMaxCidrBytes));
+  if (!q.r.done()) return Outcome::Malformed;
+  std::string error;
+  for (std::string_view a : addrs)
+    if (!q.ctx.auth.allowed.add(a, &error)) return refuse(q, Status::Error, "ALLOW_PEERS: " + error);
+  Reply(q.ctx.out, Status::Ok, q.id);
+  return Outcome::Replied;
+}
+
 constexpr Handler kHandlers[kMaxOp + 1] = {
-    nullptr,        op_hello,      op_set,     op_get,       op_try_get,    op_add,
+    nullptr,        nullptr,       op_set,     op_get,       op_try_get,    op_add,
     op_compare_set, op_wait,       op_check,   op_delete_key, op_num_keys,  op_list_keys,
     op_append,      op_multi_get,  op_multi_set, op_queue_push, op_queue_pop, op_queue_len,
-    op_ping,        op_barrier,    op_watch,   op_stats,
+    op_ping,        op_barrier,    op_watch,   op_stats,      nullptr,      op_allow_peers,
 };
 
 // The payload bytes of a completion's reply, or SIZE_MAX when a value it names is gone (only
@@ -411,10 +415,12 @@ class NativeCodec final : public Codec {
   Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
             std::string* reason) override {
     FrameHeader h;
-    switch (peek_frame(data, size, kMaxFrameBytes, &h)) {
+    switch (peek_frame(data, size, greeted_ ? kMaxFrameBytes : kMaxHandshakeFrameBytes, &h)) {
       case FrameParse::NeedMore: return Step::NeedMore;
       case FrameParse::TooLarge:
-        *reason = "frame over kMaxFrameBytes (" + std::to_string(kMaxFrameBytes) + ")";
+        *reason = greeted_ ? "frame over kMaxFrameBytes (" + std::to_string(kMaxFrameBytes) + ")"
+                           : "handshake frame over kMaxHandshakeFrameBytes (" +
+                                 std::to_string(kMaxHandshakeFrameBytes) + ")";
         return Step::Close;
       case FrameParse::Malformed:
         *reason = "malformed frame header (body shorter than 5 bytes)";
@@ -425,17 +431,16 @@ class NativeCodec final : public Codec {
       *reason = "unknown opcode " + std::to_string(h.code);
       return Step::Close;
     }
-    if (!greeted_ && static_cast<Op>(h.code) != Op::Hello) {
-      *reason = std::string("first frame is ") + op_name(h.code) + ", not HELLO";
+    Request q{ctx, h.request_id, Reader(data + kFrameHeaderBytes, h.payload_len())};
+    *consumed = h.total();
+    if (!greeted_) return handshake(q, static_cast<Op>(h.code), reason);
+    if (kHandlers[h.code] == nullptr) {
+      *reason = std::string(op_name(h.code)) + " after the handshake";
       return Step::Close;
     }
-    Request q{ctx, h.request_id, Reader(data + kFrameHeaderBytes, h.payload_len())};
-    switch (kHandlers[h.code](q)) {
-      case Outcome::Malformed:
-        *reason = std::string("malformed frame (opcode ") + op_name(h.code) + ")";
-        return Step::Close;
-      case Outcome::Greeted: greeted_ = true; break;
-      case Outcome::Replied: break;
+    if (kHandlers[h.code](q) == Outcome::Malformed) {
+      *reason = std::string("malformed frame (opcode ") + op_name(h.code) + ")";
+      return Step::Close;
     }
     *consumed = h.total();
     return Step::Handled;
@@ -447,7 +452,77 @@ class NativeCodec final : public Codec {
   }
 
  private:
+  // HELLO, then (when either side has a token) AUTH; see docs/protocol.md. A refusal is replied
+  // UNAUTHENTICATED and the connection closes once the reply is written (ReplyAndClose).
+  Step handshake(Request& q, Op op, std::string* reason) {
+    if (op == Op::Hello && server_nonce_.empty()) return hello(q, reason);
+    if (op == Op::Auth && !server_nonce_.empty()) return auth(q, reason);
+    *reason = std::string("frame ") + op_name(static_cast<uint8_t>(op)) + " during the handshake" +
+              (server_nonce_.empty() ? " (expected HELLO)" : " (expected AUTH)");
+    return Step::Close;
+  }
+
+  Step unauthenticated(Request& q, const std::string& why, std::string* reason) {
+    refuse(q, Status::Unauthenticated, why);
+    *reason = "authentication failed: " + why;
+    return Step::ReplyAndClose;
+  }
+
+  Step hello(Request& q, std::string* reason) {
+    const uint32_t version = q.r.u32();
+    q.r.bytes(kMaxClientNameBytes);
+    const std::string_view client_nonce = q.r.bytes(kAuthNonceBytes);
+    if (!q.r.done() || (!client_nonce.empty() && client_nonce.size() != kAuthNonceBytes)) {
+      *reason = "malformed frame (opcode HELLO)";
+      return Step::Close;
+    }
+    if (version != kProtocolVersion) {
+      refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version) +
+                                   " (this server speaks " + std::to_string(kProtocolVersion) + ")");
+      return Step::Handled;
+    }
+    const ServerAuth& auth = q.ctx.auth;
+    if (!auth.required() && !client_nonce.empty())
+      return unauthenticated(q, "the client has a token but this server has none (start it with a "
+                                "token, or connect without one)", reason);
+    if (auth.required() && client_nonce.empty())
+      return unauthenticated(q, "this server requires a token and the client has none (give the "
+                                "client the server's token)", reason);
+    Reply rep(q.ctx.out, Status::Ok, q.id);
+    rep.w.u32(kProtocolVersion);
+    rep.w.u64(q.ctx.conn);
+    if (!auth.required()) {
+      rep.w.bytes("");
+      greeted_ = true;
+      return Step::Handled;
+    }
+    client_nonce_.assign(client_nonce.data(), client_nonce.size());
+    server_nonce_ = make_nonce();
+    if (server_nonce_.empty()) {  // no randomness: refuse rather than send a guessable nonce
+      *reason = "RAND_bytes failed: cannot make a nonce";
+      return Step::Close;
+    }
+    rep.w.bytes(server_nonce_);
+    return Step::Handled;
+  }
+
+  Step auth(Request& q, std::string* reason) {
+    const std::string_view client_mac = q.r.bytes(kAuthMacBytes);
+    if (!q.r.done()) {
+      *reason = "malformed frame (opcode AUTH)";
+      return Step::Close;
+    }
+    const std::string& token = q.ctx.auth.token;
+    if (!mac_equal(client_mac, auth_mac(token, AuthRole::Client, client_nonce_, server_nonce_)))
+      return unauthenticated(q, "wrong token (the client's proof does not match this server's token)",
+                             reason);
+    Reply(q.ctx.out, Status::Ok, q.id).w.bytes(auth_mac(token, AuthRole::Server, client_nonce_, server_nonce_));
+    greeted_ = true;
+    return Step::Handled;
+  }
+
   bool greeted_ = false;
+  std::string client_nonce_, server_nonce_;  // set between HELLO and AUTH
 };
 
 }  // namespace
