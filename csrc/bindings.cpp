@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "auth.hpp"
 #include "client.hpp"
 #include "protocol.hpp"
 #include "py_interop.hpp"
@@ -26,7 +27,9 @@ namespace {
 class PyServer {
  public:
   PyServer(const std::string& host, int port, int backlog, std::size_t max_connections,
-           const std::string& log_level) {
+           const std::string& log_level, const std::string& token,
+           const std::vector<std::string>& allow_unauthenticated_from,
+           const std::vector<std::string>& allowed_peers, bool allow_loopback) {
     if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
     es::ServerConfig config;
     config.host = host;
@@ -34,6 +37,12 @@ class PyServer {
     config.backlog = backlog;
     config.max_connections = max_connections;
     config.log_level = parse_log_level(log_level);
+    if (!token.empty() && !es::token_problem(token).empty())
+      throw py::value_error(es::token_problem(token));
+    config.token = token;
+    config.allow_unauthenticated_from = allow_unauthenticated_from;
+    config.allowed_peers = allowed_peers;
+    config.allow_loopback = allow_loopback;
     server_ = std::make_unique<es::Server>(config);
   }
   ~PyServer() {
@@ -51,12 +60,16 @@ class PyServer {
 
 // ---- Client -----------------------------------------------------------------------------------
 std::unique_ptr<es::Client> make_client(const std::string& host, int port, double connect_timeout,
-                                        double timeout, const std::string& client_name) {
+                                        double timeout, const std::string& client_name,
+                                        const std::string& token) {
   if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
   es::ClientOptions options;
   options.connect_timeout = to_timeout(connect_timeout);
   options.op_timeout = to_timeout(timeout);
   options.client_name = client_name;
+  if (!token.empty() && !es::token_problem(token).empty())
+    throw py::value_error(es::token_problem(token));
+  options.token = token;
   options.interrupt_check = python_interrupt_check;
   options.interruptible = python_interruptible;
   return call_blocking(
@@ -86,12 +99,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_VALUE_BYTES") = es::kMaxValueBytes;
   m.attr("MAX_KEYS_PER_REQUEST") = es::kMaxKeysPerRequest;
   m.attr("NO_TIMEOUT") = -1.0;
+  m.attr("MAX_TOKEN_BYTES") = es::kMaxTokenBytes;
 
   py::register_exception_translator(translate_exception);
 
   m.def(
       "_set_error_types",
-      [](py::object store, py::object timeout, py::object network, py::object compacted) {
+      [](py::object store, py::object timeout, py::object network, py::object compacted,
+         py::object authentication) {
         for (const py::object* cls : {&store, &timeout, &network, &compacted}) {
           if (!PyExceptionClass_Check(cls->ptr())) {
             throw py::type_error("_set_error_types expects exception classes");
@@ -102,15 +117,31 @@ PYBIND11_MODULE(_C, m) {
         t.timeout = std::move(timeout);
         t.network = std::move(network);
         t.compacted = std::move(compacted);
+        if (!authentication.is_none()) {
+          if (!PyExceptionClass_Check(authentication.ptr()))
+            throw py::type_error("_set_error_types expects exception classes");
+          t.authentication = std::move(authentication);
+        }
       },
       py::kw_only(), py::arg("store"), py::arg("timeout"), py::arg("network"),
-      py::arg("compacted"));
+      py::arg("compacted"), py::arg("authentication") = py::none());
 
   py::class_<PyServer>(m, "Server")
-      .def(py::init<const std::string&, int, int, std::size_t, const std::string&>(),
+      .def(py::init<const std::string&, int, int, std::size_t, const std::string&,
+                    const std::string&, const std::vector<std::string>&,
+                    const std::vector<std::string>&, bool>(),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("backlog") = 0, py::arg("max_connections") = es::kDefaultMaxConnections,
-           py::arg("log_level") = "warning")
+           py::arg("log_level") = "warning", py::arg("token") = "",
+           py::arg("allow_unauthenticated_from") = std::vector<std::string>{},
+           py::arg("allowed_peers") = std::vector<std::string>{}, py::arg("allow_loopback") = true)
+      .def_property_readonly("requires_token", [](PyServer& s) { return s.get().requires_token(); })
+      .def("allow_peer", [](PyServer& s, const std::string& addr) { s.get().allow_peer(addr); },
+           py::arg("addr"))
+      .def("set_allowed_peers",
+           [](PyServer& s, const std::vector<std::string>& addrs) { s.get().set_allowed_peers(addrs); },
+           py::arg("addrs"))
+      .def("allowed_peers", [](PyServer& s) { return s.get().allowed_peers(); })
       .def_property_readonly("host", [](PyServer& s) { return s.get().host(); })
       .def_property_readonly("port", [](PyServer& s) { return s.get().port(); })
       .def_property_readonly("running", [](PyServer& s) { return s.get().running(); })
@@ -124,7 +155,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<es::Client>(m, "Client")
       .def(py::init(&make_client), py::arg("host"), py::arg("port"), py::kw_only(),
            py::arg("connect_timeout") = 300.0, py::arg("timeout") = 300.0,
-           py::arg("client_name") = "")
+           py::arg("client_name") = "", py::arg("token") = "")
       .def_property_readonly("host", &es::Client::host)
       .def_property_readonly("port", &es::Client::port)
       .def_property_readonly("session_id", &es::Client::session_id)
@@ -272,6 +303,12 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("queue"))
       .def("ping", [](es::Client& c) { call_blocking([&] { c.ping(); }); })
+      .def(
+          "allow_peers",
+          [](es::Client& c, const std::vector<std::string>& addrs) {
+            call_blocking([&] { c.allow_peers(addrs); });
+          },
+          py::arg("addrs"))
       .def(
           "barrier",
           [](es::Client& c, py::handle key, int64_t world_size, double timeout) {

@@ -211,6 +211,7 @@ void Client::handshake_locked(Clock::time_point deadline) {
 // AUTH: proves the token for this pair of nonces, then checks the server's proof (constant time).
 void Client::authenticate_locked(Clock::time_point deadline, const std::string& client_nonce,
                                  std::string_view server_nonce) {
+  conn_->drop_consumed();  // HELLO's reply
   wbuf_.clear();
   Writer w(wbuf_);
   const uint32_t id = next_request_id_++;

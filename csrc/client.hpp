@@ -181,6 +181,9 @@ class Client {
   std::optional<std::string> queue_pop(std::string_view queue, Timeout timeout);
   int64_t queue_len(std::string_view queue);
   void ping();
+  // ALLOW_PEERS: lets these addresses or CIDRs use torch's TCPStore protocol on a server with a
+  // token (the job vouches for them, e.g. the rendezvous for a round's members).
+  void allow_peers(const std::vector<std::string>& addrs);
   // Returns the generation released (0, 1, 2, ...).
   uint64_t barrier(std::string_view key, int64_t world_size, Timeout timeout);
   // The first change after after_revision (nullopt: after now) to key, or under it when prefix.

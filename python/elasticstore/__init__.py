@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _C
-from .errors import StoreError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
+from .errors import AuthenticationError, StoreError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
 from .init_method import register as _register_init_method
 from .server import ServerConfig, StoreServer
 from .store import Store, WatchEvent
@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported o
     from .etcd_store import EtcdStore
 
 __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never needs etcd3
+    "AuthenticationError",
     "ServerConfig",
     "Store",
     "StoreError",
@@ -38,6 +39,7 @@ _C._set_error_types(
     timeout=StoreTimeoutError,
     network=StoreNetworkError,
     compacted=WatchCompactedError,
+    authentication=AuthenticationError,
 )
 _register_init_method()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 __all__ = [
+    "AuthenticationError",
     "QueueEmptyError",
     "StoreError",
     "StoreNetworkError",
@@ -28,6 +29,12 @@ class StoreTimeoutError(StoreError):
 
     The store stays usable after it.
     """
+
+
+class AuthenticationError(StoreError):
+    """The handshake could not authenticate: a wrong or missing token on either side, or a server
+    that could not prove it holds the client's token. The message names the cause. The connection
+    was closed before any key was touched; retrying does not help."""
 
 
 class StoreNetworkError(dist.DistNetworkError):
