@@ -28,8 +28,12 @@ def _checked(token: str, source: str) -> str:
 def read_token_file(path: str | os.PathLike[str]) -> str:
     """The token in ``path``, without trailing whitespace (a final newline). Raises ``OSError``
     when the file cannot be read and ``ValueError`` when the token is empty or too long."""
-    with open(path, "rb") as f:
-        data = f.read(_C.MAX_TOKEN_BYTES + 64)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_C.MAX_TOKEN_BYTES + 64)
+    except OSError as exc:
+        message = f"cannot read the token file {os.fspath(path)}: {exc.strerror or exc}"
+        raise OSError(exc.errno, message) from exc
     try:
         text = data.decode()
     except UnicodeDecodeError as exc:
