@@ -470,29 +470,34 @@ class NativeCodec final : public Codec {
 
   Step hello(Request& q, std::string* reason) {
     const uint32_t version = q.r.u32();
+    if (version < kMinProtocolVersion || version > kProtocolVersion) {
+      refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version) +
+                                   " (this server speaks " + std::to_string(kMinProtocolVersion) +
+                                   " to " + std::to_string(kProtocolVersion) + ")");
+      return Step::Handled;
+    }
     q.r.bytes(kMaxClientNameBytes);
-    const std::string_view client_nonce = q.r.bytes(kAuthNonceBytes);
+    // Version 1 (no authentication) has no nonce field; its reply has no server nonce.
+    const std::string_view client_nonce = version >= 2 ? q.r.bytes(kAuthNonceBytes) : std::string_view();
     if (!q.r.done() || (!client_nonce.empty() && client_nonce.size() != kAuthNonceBytes)) {
       *reason = "malformed frame (opcode HELLO)";
       return Step::Close;
-    }
-    if (version != kProtocolVersion) {
-      refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version) +
-                                   " (this server speaks " + std::to_string(kProtocolVersion) + ")");
-      return Step::Handled;
     }
     const ServerAuth& auth = q.ctx.auth;
     if (!auth.required() && !client_nonce.empty())
       return unauthenticated(q, "the client has a token but this server has none (start it with a "
                                 "token, or connect without one)", reason);
     if (auth.required() && client_nonce.empty())
-      return unauthenticated(q, "this server requires a token and the client has none (give the "
-                                "client the server's token)", reason);
+      return unauthenticated(q, version < 2 ? "this server requires a token and protocol version 1 "
+                                              "cannot carry one (upgrade the client)"
+                                            : "this server requires a token and the client has none "
+                                              "(give the client the server's token)",
+                             reason);
     Reply rep(q.ctx.out, Status::Ok, q.id);
-    rep.w.u32(kProtocolVersion);
+    rep.w.u32(version);
     rep.w.u64(q.ctx.conn);
     if (!auth.required()) {
-      rep.w.bytes("");
+      if (version >= 2) rep.w.bytes("");
       greeted_ = true;
       return Step::Handled;
     }

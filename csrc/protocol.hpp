@@ -17,6 +17,8 @@ inline constexpr std::size_t kPreambleBytes = 4;
 inline constexpr uint8_t kTorchValidateByte = 0x00;  // first byte of torch's TCPStore VALIDATE
 // 2: HELLO carries the client's nonce; AUTH proves the token both ways (docs/protocol.md).
 inline constexpr uint32_t kProtocolVersion = 2;
+// Version 1 (HELLO without a nonce) is still served by a server without a token.
+inline constexpr uint32_t kMinProtocolVersion = 1;
 
 // ---- limits (every size the server accepts is named here) -------------------------------------
 inline constexpr std::size_t kMaxKeyBytes = 8 * 1024;

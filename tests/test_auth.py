@@ -456,3 +456,22 @@ def test_server_command_lines_refuse_bad_auth_flags(command: object, args: list[
     proc = subprocess.run([*command(), "--port", "0", *args], capture_output=True, text=True, timeout=60)  # type: ignore[operator]
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("token", "version", "status", "message"),
+    [
+        ("", 1, OK, b""),  # protocol 1 (no authentication) still served without a token
+        (TOKEN, 1, UNAUTHENTICATED, b"protocol version 1 cannot carry one"),
+        ("", 99, 2, b"unsupported protocol version 99"),
+    ],
+    ids=["v1-no-token", "v1-token", "v99"],
+)
+def test_protocol_versions(token: str, version: int, status: int, message: bytes) -> None:
+    with StoreServer(token=token) as srv:
+        sock = _connect(srv.port)
+        sock.sendall(b"ESTO" + _frame(HELLO, 1, struct.pack("<I", version) + _bytes(b"old")))
+        got, _, payload = _reply(sock)
+        assert got == status and message in payload
+        if status == OK:
+            assert len(payload) == 12  # u32 version, u64 session: the version 1 reply
