@@ -202,4 +202,94 @@ std::vector<std::string> PeerAllowList::peers() const {
   return out;
 }
 
+// ---- the server's handshake ------------------------------------------------------------------
+
+namespace {
+
+void reply_message(std::string& out, Status status, uint32_t id, const std::string& message) {
+  Writer w(out);
+  w.begin_frame(static_cast<uint8_t>(status), id);
+  w.bytes(message);
+  w.end_frame();
+}
+
+HandshakeStep refuse(std::string& out, uint32_t id, const std::string& why, std::string* reason) {
+  reply_message(out, Status::Unauthenticated, id, why);
+  *reason = "authentication failed: " + why;
+  return HandshakeStep::Refused;
+}
+
+}  // namespace
+
+HandshakeStep ServerHandshake::on_frame(const ServerAuth& auth, Op op, uint32_t request_id,
+                                        Reader& payload, uint64_t session_id, std::string& out,
+                                        std::string* reason) {
+  if (op == Op::Hello && !awaiting_auth()) return hello(auth, request_id, payload, session_id, out, reason);
+  if (op == Op::Auth && awaiting_auth()) return this->auth(auth, request_id, payload, out, reason);
+  *reason = std::string("frame ") + op_name(static_cast<uint8_t>(op)) + " during the handshake" +
+            (awaiting_auth() ? " (expected AUTH)" : " (expected HELLO)");
+  return HandshakeStep::Close;
+}
+
+HandshakeStep ServerHandshake::hello(const ServerAuth& auth, uint32_t id, Reader& r,
+                                     uint64_t session, std::string& out, std::string* reason) {
+  const uint32_t version = r.u32();
+  if (version < kMinProtocolVersion || version > kProtocolVersion) {
+    reply_message(out, Status::Error, id,
+                  "unsupported protocol version " + std::to_string(version) + " (this server speaks " +
+                      std::to_string(kMinProtocolVersion) + " to " + std::to_string(kProtocolVersion) + ")");
+    return HandshakeStep::Pending;
+  }
+  r.bytes(kMaxClientNameBytes);
+  // Version 1 (no authentication) has no nonce field; its reply has no server nonce.
+  const std::string_view client_nonce = version >= 2 ? r.bytes(kAuthNonceBytes) : std::string_view();
+  if (!r.done() || (!client_nonce.empty() && client_nonce.size() != kAuthNonceBytes)) {
+    *reason = "malformed frame (opcode HELLO)";
+    return HandshakeStep::Close;
+  }
+  if (!auth.required() && !client_nonce.empty())
+    return refuse(out, id, "the client has a token but this server has none (start it with a "
+                           "token, or connect without one)", reason);
+  if (auth.required() && client_nonce.empty())
+    return refuse(out, id, version < 2 ? "this server requires a token and protocol version 1 "
+                                         "cannot carry one (upgrade the client)"
+                                       : "this server requires a token and the client has none "
+                                         "(give the client the server's token)",
+                  reason);
+  std::string nonce;
+  if (auth.required()) {
+    nonce = make_nonce();
+    if (nonce.empty()) {  // no randomness: refuse rather than send a guessable nonce
+      *reason = "RAND_bytes failed: cannot make a nonce";
+      return HandshakeStep::Close;
+    }
+  }
+  Writer w(out);
+  w.begin_frame(static_cast<uint8_t>(Status::Ok), id);
+  w.u32(version);
+  w.u64(session);
+  if (version >= 2) w.bytes(nonce);
+  w.end_frame();
+  if (!auth.required()) return HandshakeStep::Greeted;
+  client_nonce_.assign(client_nonce.data(), client_nonce.size());
+  server_nonce_ = std::move(nonce);
+  return HandshakeStep::Pending;
+}
+
+HandshakeStep ServerHandshake::auth(const ServerAuth& auth, uint32_t id, Reader& r,
+                                    std::string& out, std::string* reason) {
+  const std::string_view client_mac = r.bytes(kAuthMacBytes);
+  if (!r.done()) {
+    *reason = "malformed frame (opcode AUTH)";
+    return HandshakeStep::Close;
+  }
+  if (!mac_equal(client_mac, auth_mac(auth.token, AuthRole::Client, client_nonce_, server_nonce_)))
+    return refuse(out, id, "wrong token (the client's proof does not match this server's token)", reason);
+  Writer w(out);
+  w.begin_frame(static_cast<uint8_t>(Status::Ok), id);
+  w.bytes(auth_mac(auth.token, AuthRole::Server, client_nonce_, server_nonce_));
+  w.end_frame();
+  return HandshakeStep::Greeted;
+}
+
 }  // namespace elasticstore

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "protocol.hpp"
+
 namespace elasticstore {
 
 inline constexpr std::size_t kAuthNonceBytes = 32;   // each side's fresh random challenge
@@ -80,6 +82,33 @@ struct ServerAuth {
   std::string token;  // empty: no authentication (every peer served, any protocol)
   PeerAllowList allowed;
   bool required() const noexcept { return !token.empty(); }
+};
+
+}  // namespace elasticstore
+
+namespace elasticstore {
+
+enum class HandshakeStep {
+  Pending,  // replied; the handshake goes on (AUTH expected)
+  Greeted,  // replied; the connection serves every opcode from now on
+  Refused,  // replied UNAUTHENTICATED: send it, then close (*reason says why)
+  Close,    // malformed or out of order: close without a reply (*reason says why)
+};
+
+// The server's side of the native handshake (docs/protocol.md), without sockets: one call per
+// frame received before the handshake ended, its reply appended to `out`.
+class ServerHandshake {
+ public:
+  HandshakeStep on_frame(const ServerAuth& auth, Op op, uint32_t request_id, Reader& payload,
+                         uint64_t session_id, std::string& out, std::string* reason);
+  bool awaiting_auth() const noexcept { return !server_nonce_.empty(); }
+
+ private:
+  HandshakeStep hello(const ServerAuth& auth, uint32_t id, Reader& r, uint64_t session,
+                      std::string& out, std::string* reason);
+  HandshakeStep auth(const ServerAuth& auth, uint32_t id, Reader& r, std::string& out,
+                     std::string* reason);
+  std::string client_nonce_, server_nonce_;  // set between HELLO and AUTH
 };
 
 }  // namespace elasticstore

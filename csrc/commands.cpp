@@ -452,82 +452,20 @@ class NativeCodec final : public Codec {
   }
 
  private:
-  // HELLO, then (when either side has a token) AUTH; see docs/protocol.md. A refusal is replied
-  // UNAUTHENTICATED and the connection closes once the reply is written (ReplyAndClose).
+  // HELLO, then (when either side has a token) AUTH: ServerHandshake (auth.cpp). A refusal is
+  // replied UNAUTHENTICATED and the connection closes once the reply is written (ReplyAndClose).
   Step handshake(Request& q, Op op, std::string* reason) {
-    if (op == Op::Hello && server_nonce_.empty()) return hello(q, reason);
-    if (op == Op::Auth && !server_nonce_.empty()) return auth(q, reason);
-    *reason = std::string("frame ") + op_name(static_cast<uint8_t>(op)) + " during the handshake" +
-              (server_nonce_.empty() ? " (expected HELLO)" : " (expected AUTH)");
+    switch (handshake_.on_frame(q.ctx.auth, op, q.id, q.r, q.ctx.conn, q.ctx.out, reason)) {
+      case HandshakeStep::Pending: return Step::Handled;
+      case HandshakeStep::Greeted: greeted_ = true; return Step::Handled;
+      case HandshakeStep::Refused: return Step::ReplyAndClose;
+      case HandshakeStep::Close: return Step::Close;
+    }
     return Step::Close;
   }
 
-  Step unauthenticated(Request& q, const std::string& why, std::string* reason) {
-    refuse(q, Status::Unauthenticated, why);
-    *reason = "authentication failed: " + why;
-    return Step::ReplyAndClose;
-  }
-
-  Step hello(Request& q, std::string* reason) {
-    const uint32_t version = q.r.u32();
-    if (version < kMinProtocolVersion || version > kProtocolVersion) {
-      refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version) +
-                                   " (this server speaks " + std::to_string(kMinProtocolVersion) +
-                                   " to " + std::to_string(kProtocolVersion) + ")");
-      return Step::Handled;
-    }
-    q.r.bytes(kMaxClientNameBytes);
-    // Version 1 (no authentication) has no nonce field; its reply has no server nonce.
-    const std::string_view client_nonce = version >= 2 ? q.r.bytes(kAuthNonceBytes) : std::string_view();
-    if (!q.r.done() || (!client_nonce.empty() && client_nonce.size() != kAuthNonceBytes)) {
-      *reason = "malformed frame (opcode HELLO)";
-      return Step::Close;
-    }
-    const ServerAuth& auth = q.ctx.auth;
-    if (!auth.required() && !client_nonce.empty())
-      return unauthenticated(q, "the client has a token but this server has none (start it with a "
-                                "token, or connect without one)", reason);
-    if (auth.required() && client_nonce.empty())
-      return unauthenticated(q, version < 2 ? "this server requires a token and protocol version 1 "
-                                              "cannot carry one (upgrade the client)"
-                                            : "this server requires a token and the client has none "
-                                              "(give the client the server's token)",
-                             reason);
-    Reply rep(q.ctx.out, Status::Ok, q.id);
-    rep.w.u32(version);
-    rep.w.u64(q.ctx.conn);
-    if (!auth.required()) {
-      if (version >= 2) rep.w.bytes("");
-      greeted_ = true;
-      return Step::Handled;
-    }
-    client_nonce_.assign(client_nonce.data(), client_nonce.size());
-    server_nonce_ = make_nonce();
-    if (server_nonce_.empty()) {  // no randomness: refuse rather than send a guessable nonce
-      *reason = "RAND_bytes failed: cannot make a nonce";
-      return Step::Close;
-    }
-    rep.w.bytes(server_nonce_);
-    return Step::Handled;
-  }
-
-  Step auth(Request& q, std::string* reason) {
-    const std::string_view client_mac = q.r.bytes(kAuthMacBytes);
-    if (!q.r.done()) {
-      *reason = "malformed frame (opcode AUTH)";
-      return Step::Close;
-    }
-    const std::string& token = q.ctx.auth.token;
-    if (!mac_equal(client_mac, auth_mac(token, AuthRole::Client, client_nonce_, server_nonce_)))
-      return unauthenticated(q, "wrong token (the client's proof does not match this server's token)",
-                             reason);
-    Reply(q.ctx.out, Status::Ok, q.id).w.bytes(auth_mac(token, AuthRole::Server, client_nonce_, server_nonce_));
-    greeted_ = true;
-    return Step::Handled;
-  }
-
   bool greeted_ = false;
-  std::string client_nonce_, server_nonce_;  // set between HELLO and AUTH
+  ServerHandshake handshake_;
 };
 
 }  // namespace

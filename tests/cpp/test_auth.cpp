@@ -284,3 +284,138 @@ TEST(server_refuses_bad_allow_lists) {
   }
   CHECK(threw);
 }
+
+// ---- the server's handshake codec, without sockets ----------------------------------------------
+
+namespace {
+
+std::string hello_payload(uint32_t version, const std::string& nonce) {
+  std::string p;
+  Writer w(p);
+  w.u32(version);
+  w.bytes("unit");
+  if (version >= 2) w.bytes(nonce);
+  return p;
+}
+
+std::string bytes_payload(const std::string& b) {
+  std::string p;
+  Writer(p).bytes(b);
+  return p;
+}
+
+struct Frame {
+  uint8_t status = 0;
+  uint32_t id = 0;
+  std::string payload;
+};
+
+Frame parse_reply(const std::string& out) {
+  FrameHeader h;
+  Frame f;
+  if (peek_frame(out.data(), out.size(), 1 << 20, &h) == FrameParse::Ready && h.total() == out.size()) {
+    f.status = h.code;
+    f.id = h.request_id;
+    f.payload = out.substr(kFrameHeaderBytes);
+  }
+  return f;
+}
+
+HandshakeStep feed(ServerHandshake& hs, const ServerAuth& auth, Op op, uint32_t id,
+                   const std::string& payload, std::string* out, std::string* reason) {
+  out->clear();
+  Reader r(payload);
+  return hs.on_frame(auth, op, id, r, 77, *out, reason);
+}
+
+}  // namespace
+
+TEST(handshake_codec_full_exchange_and_refusals) {
+  const ServerAuth auth{"tok", PeerAllowList(true, {})};
+  const std::string cn = make_nonce();
+  std::string out, reason;
+  ServerHandshake hs;
+  CHECK(feed(hs, auth, Op::Hello, 1, hello_payload(2, cn), &out, &reason) == HandshakeStep::Pending);
+  Frame f = parse_reply(out);
+  CHECK_EQ(f.status, static_cast<uint8_t>(Status::Ok));
+  Reader r(f.payload);
+  CHECK_EQ(r.u32(), 2u);
+  CHECK_EQ(r.u64(), 77ull);
+  const std::string sn(r.bytes(kAuthNonceBytes));
+  CHECK(r.done());
+  CHECK_EQ(sn.size(), kAuthNonceBytes);
+  CHECK(hs.awaiting_auth());
+  // A second HELLO, or any other frame, while AUTH is expected: closed without a reply.
+  ServerHandshake copy = hs;
+  CHECK(feed(copy, auth, Op::Hello, 2, hello_payload(2, cn), &out, &reason) == HandshakeStep::Close);
+  CHECK(out.empty() && contains(reason, "expected AUTH"));
+  CHECK(feed(copy, auth, Op::Set, 2, "", &out, &reason) == HandshakeStep::Close);
+  // A wrong proof: UNAUTHENTICATED, then close.
+  copy = hs;
+  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload(auth_mac("other", AuthRole::Client, cn, sn)), &out,
+             &reason) == HandshakeStep::Refused);
+  CHECK_EQ(parse_reply(out).status, static_cast<uint8_t>(Status::Unauthenticated));
+  CHECK(contains(reason, "wrong token"));
+  // The server's own proof reflected back: refused.
+  copy = hs;
+  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload(auth_mac("tok", AuthRole::Server, cn, sn)), &out,
+             &reason) == HandshakeStep::Refused);
+  // A MAC of the wrong size: malformed.
+  copy = hs;
+  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload("short"), &out, &reason) == HandshakeStep::Refused);
+  copy = hs;
+  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload(std::string(kAuthMacBytes + 1, 'x')), &out,
+             &reason) == HandshakeStep::Close);
+  // The right proof: greeted, with the server's proof.
+  const std::string proof = bytes_payload(auth_mac("tok", AuthRole::Client, cn, sn));
+  CHECK(feed(hs, auth, Op::Auth, 3, proof, &out, &reason) == HandshakeStep::Greeted);
+  f = parse_reply(out);
+  CHECK_EQ(f.status, static_cast<uint8_t>(Status::Ok));
+  CHECK_EQ(f.id, 3u);
+  Reader rr(f.payload);
+  CHECK(mac_equal(rr.bytes(kAuthMacBytes), auth_mac("tok", AuthRole::Server, cn, sn)));
+  // Replayed on a new session (same client nonce): the server's nonce differs, the proof fails.
+  ServerHandshake again;
+  CHECK(feed(again, auth, Op::Hello, 1, hello_payload(2, cn), &out, &reason) == HandshakeStep::Pending);
+  CHECK(feed(again, auth, Op::Auth, 3, proof, &out, &reason) == HandshakeStep::Refused);
+}
+
+TEST(handshake_codec_versions_and_missing_tokens) {
+  const ServerAuth with{"tok", PeerAllowList(true, {})};
+  const ServerAuth without{"", PeerAllowList(true, {})};
+  std::string out, reason;
+  {
+    ServerHandshake hs;  // no token on either side: greeted at HELLO, empty server nonce
+    CHECK(feed(hs, without, Op::Hello, 1, hello_payload(2, ""), &out, &reason) == HandshakeStep::Greeted);
+    const Frame f = parse_reply(out);
+    Reader r(f.payload);
+    r.u32();
+    r.u64();
+    CHECK(r.bytes(kAuthNonceBytes).empty() && r.done());
+  }
+  {
+    ServerHandshake hs;  // version 1 without a token: the version 1 reply
+    CHECK(feed(hs, without, Op::Hello, 1, hello_payload(1, ""), &out, &reason) == HandshakeStep::Greeted);
+    CHECK_EQ(parse_reply(out).payload.size(), std::size_t{12});
+  }
+  for (uint32_t v : {1u, 2u}) {
+    ServerHandshake hs;  // a server with a token, a client without
+    CHECK(feed(hs, with, Op::Hello, 1, hello_payload(v, ""), &out, &reason) == HandshakeStep::Refused);
+    CHECK_EQ(parse_reply(out).status, static_cast<uint8_t>(Status::Unauthenticated));
+  }
+  {
+    ServerHandshake hs;  // a client with a token, a server without
+    CHECK(feed(hs, without, Op::Hello, 1, hello_payload(2, make_nonce()), &out, &reason) ==
+          HandshakeStep::Refused);
+    CHECK(contains(reason, "has none"));
+  }
+  {
+    ServerHandshake hs;
+    CHECK(feed(hs, with, Op::Hello, 1, hello_payload(2, std::string(16, 'n')), &out, &reason) ==
+          HandshakeStep::Close);  // a nonce of the wrong size
+    CHECK(feed(hs, with, Op::Hello, 1, hello_payload(99, ""), &out, &reason) == HandshakeStep::Pending);
+    CHECK_EQ(parse_reply(out).status, static_cast<uint8_t>(Status::Error));
+    CHECK(feed(hs, with, Op::Auth, 1, bytes_payload(std::string(32, 'm')), &out, &reason) ==
+          HandshakeStep::Close);  // AUTH before HELLO
+  }
+}
