@@ -22,8 +22,9 @@ namespace elasticstore {
 
 // ---- errors -----------------------------------------------------------------------------------
 // Every error the client raises derives from StoreError. A plain StoreError is an ERROR,
-// WRONG_TYPE, TOO_LARGE or UNAUTHENTICATED reply, an argument refused before sending, or a
-// protocol violation by the server (ProtocolError, which also closes the connection).
+// WRONG_TYPE or TOO_LARGE reply, an argument refused before sending, or a protocol violation by
+// the server (ProtocolError, which also closes the connection); a failed handshake is an
+// AuthenticationError.
 class StoreError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import pytest
 
+import elasticstore
 from elasticstore import AuthenticationError, Store, StoreServer
 from procs import kill_all
 
@@ -38,6 +39,7 @@ def server() -> Iterator[StoreServer]:
 def test_token_from_env_and_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    assert elasticstore.read_token_file(token_file) == TOKEN
     monkeypatch.setenv("ELASTICSTORE_TOKEN_FILE", str(token_file))
     monkeypatch.setenv("ELASTICSTORE_TOKEN", "the-env-token")
     with StoreServer() as srv:  # the file wins over ELASTICSTORE_TOKEN

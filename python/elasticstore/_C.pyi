@@ -32,8 +32,9 @@ def _set_error_types(
     authentication: type[Exception] | None = None,
 ) -> None:
     """Sets the Python classes raised for: a store error reply (ERROR, WRONG_TYPE, TOO_LARGE,
-    UNAUTHENTICATED, protocol violations), a timeout, a network failure, and a COMPACTED watch.
-    The compacted class is constructed with (message, oldest_revision)."""
+    protocol violations), a timeout, a network failure, a COMPACTED watch, and a failed
+    authentication (default: the store class). The compacted class is constructed with
+    (message, oldest_revision)."""
 
 class Server:
     """The native TCP store server. The constructor binds and listens (so ``port`` is known and

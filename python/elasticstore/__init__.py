@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from . import _C
 from .errors import AuthenticationError, StoreError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
 from .init_method import register as _register_init_method
+from ._token import read_token_file
 from .server import ServerConfig, StoreServer
 from .store import Store, WatchEvent
 
@@ -29,6 +30,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "WatchCompactedError",
     "WatchEvent",
     "__version__",
+    "read_token_file",
 ]
 
 __version__: str = _C.__version__
