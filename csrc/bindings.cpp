@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "auth.hpp"
 #include "client.hpp"
 #include "protocol.hpp"
 #include "py_interop.hpp"
@@ -31,7 +32,9 @@ class PyServer {
            std::size_t max_key_bytes, std::size_t max_value_bytes, std::size_t max_keys_per_request,
            std::size_t max_connection_buffer_bytes, std::size_t max_buffered_bytes,
            std::size_t max_waiters_per_connection, std::size_t max_stored_keys,
-           std::size_t max_stored_bytes, uint32_t frame_timeout_ms, uint32_t handshake_timeout_ms) {
+           std::size_t max_stored_bytes, uint32_t frame_timeout_ms, uint32_t handshake_timeout_ms,
+           const std::string& token, const std::vector<std::string>& allow_unauthenticated_from,
+           const std::vector<std::string>& allowed_peers, bool allow_loopback) {
     if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
     es::ServerConfig config;
     config.host = host;
@@ -50,6 +53,12 @@ class PyServer {
     config.limits.max_stored_bytes = max_stored_bytes;
     config.frame_timeout_ms = frame_timeout_ms;
     config.handshake_timeout_ms = handshake_timeout_ms;
+    if (!token.empty() && !es::token_problem(token).empty())
+      throw py::value_error(es::token_problem(token));
+    config.token = token;
+    config.allow_unauthenticated_from = allow_unauthenticated_from;
+    config.allowed_peers = allowed_peers;
+    config.allow_loopback = allow_loopback;
     server_ = std::make_unique<es::Server>(config);
   }
   ~PyServer() {
@@ -67,12 +76,16 @@ class PyServer {
 
 // ---- Client -----------------------------------------------------------------------------------
 std::unique_ptr<es::Client> make_client(const std::string& host, int port, double connect_timeout,
-                                        double timeout, const std::string& client_name) {
+                                        double timeout, const std::string& client_name,
+                                        const std::string& token) {
   if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
   es::ClientOptions options;
   options.connect_timeout = to_timeout(connect_timeout);
   options.op_timeout = to_timeout(timeout);
   options.client_name = client_name;
+  if (!token.empty() && !es::token_problem(token).empty())
+    throw py::value_error(es::token_problem(token));
+  options.token = token;
   options.interrupt_check = python_interrupt_check;
   options.interruptible = python_interruptible;
   return call_blocking(
@@ -102,12 +115,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_VALUE_BYTES") = es::kMaxValueBytes;
   m.attr("MAX_KEYS_PER_REQUEST") = es::kMaxKeysPerRequest;
   m.attr("NO_TIMEOUT") = -1.0;
+  m.attr("MAX_TOKEN_BYTES") = es::kMaxTokenBytes;
 
   py::register_exception_translator(translate_exception);
 
   m.def(
       "_set_error_types",
-      [](py::object store, py::object timeout, py::object network, py::object compacted) {
+      [](py::object store, py::object timeout, py::object network, py::object compacted,
+         py::object authentication) {
         for (const py::object* cls : {&store, &timeout, &network, &compacted}) {
           if (!PyExceptionClass_Check(cls->ptr())) {
             throw py::type_error("_set_error_types expects exception classes");
@@ -118,14 +133,20 @@ PYBIND11_MODULE(_C, m) {
         t.timeout = std::move(timeout);
         t.network = std::move(network);
         t.compacted = std::move(compacted);
+        if (!authentication.is_none()) {
+          if (!PyExceptionClass_Check(authentication.ptr()))
+            throw py::type_error("_set_error_types expects exception classes");
+          t.authentication = std::move(authentication);
+        }
       },
       py::kw_only(), py::arg("store"), py::arg("timeout"), py::arg("network"),
-      py::arg("compacted"));
+      py::arg("compacted"), py::arg("authentication") = py::none());
 
   py::class_<PyServer>(m, "Server")
       .def(py::init<const std::string&, int, int, std::size_t, const std::string&, std::size_t,
                     std::size_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t,
-                    std::size_t, std::size_t, uint32_t, uint32_t>(),
+                    std::size_t, std::size_t, uint32_t, uint32_t, const std::string&,
+                    const std::vector<std::string>&, const std::vector<std::string>&, bool>(),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("backlog") = 0, py::arg("max_connections") = es::kDefaultMaxConnections,
            py::arg("log_level") = "warning",
@@ -138,7 +159,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("max_stored_keys") = es::kDefaultMaxStoredKeys,
            py::arg("max_stored_bytes") = es::kDefaultMaxStoredBytes,
            py::arg("frame_timeout_ms") = es::kFrameTimeoutMs,
-           py::arg("handshake_timeout_ms") = es::kHandshakeTimeoutMs)
+           py::arg("handshake_timeout_ms") = es::kHandshakeTimeoutMs, py::arg("token") = "",
+           py::arg("allow_unauthenticated_from") = std::vector<std::string>{},
+           py::arg("allowed_peers") = std::vector<std::string>{}, py::arg("allow_loopback") = true)
+      .def_property_readonly("requires_token", [](PyServer& s) { return s.get().requires_token(); })
+      .def("allow_peer", [](PyServer& s, const std::string& addr) { s.get().allow_peer(addr); },
+           py::arg("addr"))
+      .def("set_allowed_peers",
+           [](PyServer& s, const std::vector<std::string>& addrs) { s.get().set_allowed_peers(addrs); },
+           py::arg("addrs"))
+      .def("allowed_peers", [](PyServer& s) { return s.get().allowed_peers(); })
       .def_property_readonly("host", [](PyServer& s) { return s.get().host(); })
       .def_property_readonly("port", [](PyServer& s) { return s.get().port(); })
       .def_property_readonly("running", [](PyServer& s) { return s.get().running(); })
@@ -152,7 +182,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<es::Client>(m, "Client")
       .def(py::init(&make_client), py::arg("host"), py::arg("port"), py::kw_only(),
            py::arg("connect_timeout") = 300.0, py::arg("timeout") = 300.0,
-           py::arg("client_name") = "")
+           py::arg("client_name") = "", py::arg("token") = "")
       .def_property_readonly("host", &es::Client::host)
       .def_property_readonly("port", &es::Client::port)
       .def_property_readonly("session_id", &es::Client::session_id)
@@ -300,6 +330,12 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("queue"))
       .def("ping", [](es::Client& c) { call_blocking([&] { c.ping(); }); })
+      .def(
+          "allow_peers",
+          [](es::Client& c, const std::vector<std::string>& addrs) {
+            call_blocking([&] { c.allow_peers(addrs); });
+          },
+          py::arg("addrs"))
       .def(
           "barrier",
           [](es::Client& c, py::handle key, int64_t world_size, double timeout) {

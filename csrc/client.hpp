@@ -22,8 +22,9 @@ namespace elasticstore {
 
 // ---- errors -----------------------------------------------------------------------------------
 // Every error the client raises derives from StoreError. A plain StoreError is an ERROR,
-// WRONG_TYPE, TOO_LARGE or UNAUTHENTICATED reply, an argument refused before sending, or a
-// protocol violation by the server (ProtocolError, which also closes the connection).
+// WRONG_TYPE or TOO_LARGE reply, an argument refused before sending, or a protocol violation by
+// the server (ProtocolError, which also closes the connection); a failed handshake is an
+// AuthenticationError.
 class StoreError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -55,6 +56,13 @@ class CompactedError : public StoreError {
  private:
   uint64_t oldest_revision_;
 };
+// The handshake failed to authenticate: wrong or missing token on either side, or a server that
+// could not prove it holds the client's token. The connection is closed; no key was touched.
+// Not retried: reconnecting cannot fix it.
+class AuthenticationError : public StoreError {
+ public:
+  using StoreError::StoreError;
+};
 // ClientOptions::interrupt_check returned true while waiting. The connection is closed.
 class InterruptedError : public StoreError {
  public:
@@ -79,6 +87,9 @@ struct ClientOptions {
   Timeout op_timeout{300'000};
   // Sent in HELLO (at most kMaxClientNameBytes).
   std::string client_name;
+  // The server's shared token (docs/authentication.md); empty: connect without authentication.
+  // With one, the client proves it in the handshake and refuses a server that cannot prove it.
+  std::string token;
   // Polled at least every kInterruptPollMs while waiting; returning true closes the connection
   // and throws InterruptedError. Called without any lock of the client held by the caller thread
   // other than the client's own call mutex.
@@ -171,6 +182,9 @@ class Client {
   std::optional<std::string> queue_pop(std::string_view queue, Timeout timeout);
   int64_t queue_len(std::string_view queue);
   void ping();
+  // ALLOW_PEERS: lets these addresses or CIDRs use torch's TCPStore protocol on a server with a
+  // token (the job vouches for them, e.g. the rendezvous for a round's members).
+  void allow_peers(const std::vector<std::string>& addrs);
   // Returns the generation released (0, 1, 2, ...).
   uint64_t barrier(std::string_view key, int64_t world_size, Timeout timeout);
   // The first change after after_revision (nullopt: after now) to key, or under it when prefix.
@@ -193,6 +207,9 @@ class Client {
   // backoff and waiting against deadlines are the transport's (client_transport.hpp).
   void connect_locked(Timeout timeout);
   void handshake_locked(Clock::time_point deadline);
+  void authenticate_locked(Clock::time_point deadline, const std::string& client_nonce,
+                           std::string_view server_nonce);
+  [[noreturn]] void fail_auth_locked(const std::string& why);
   void ensure_connected_locked();
   void close_fd_locked();
 

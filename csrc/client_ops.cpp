@@ -217,6 +217,16 @@ void Client::ping() {
   if (echoed != nonce) fail_protocol_locked("PING echoed a different nonce");
 }
 
+void Client::allow_peers(const std::vector<std::string>& addrs) {
+  auto lock = lock_call();
+  Writer w = begin_locked(Op::AllowPeers);
+  w.keys(addrs);
+  const Reply r = exchange_locked(w, Op::AllowPeers, kNotBlocking);
+  expect_ok_locked(r, Op::AllowPeers, [] { return std::string(); });
+  Reader rd(r.payload);
+  finish_locked(rd, Op::AllowPeers);
+}
+
 std::vector<std::pair<std::string, uint64_t>> Client::stats() {
   auto lock = lock_call();
   Writer w = begin_locked(Op::Stats);

@@ -3,12 +3,13 @@
 #include <cstdint>
 #include <string_view>
 
+#include "auth.hpp"
 #include "protocol.hpp"
 
 namespace elasticstore {
 namespace {
 
-enum class Outcome { Replied, Greeted, Malformed };
+enum class Outcome { Replied, Malformed };
 
 struct Request {
   CommandContext& ctx;
@@ -74,18 +75,6 @@ void read_keys(const StoreLimits& lim, Reader& r, std::vector<std::string_view>*
       *too_large = over("key", k.size(), lim.max_key_bytes);
     if (too_large->empty()) keys->push_back(k);
   }
-}
-
-Outcome op_hello(Request& q) {
-  const uint32_t version = q.r.u32();
-  q.r.bytes(kMaxClientNameBytes);
-  if (!q.r.done()) return Outcome::Malformed;
-  if (version != kProtocolVersion)
-    return refuse(q, Status::Error, "unsupported protocol version " + std::to_string(version));
-  Reply rep(q.ctx.out, Status::Ok, q.id);
-  rep.w.u32(kProtocolVersion);
-  rep.w.u64(q.ctx.conn);
-  return Outcome::Greeted;
 }
 
 Outcome op_set(Request& q) {
@@ -315,11 +304,26 @@ Outcome op_stats(Request& q) {
   return Outcome::Replied;
 }
 
+// ALLOW_PEERS: `keys` of addresses or CIDRs that may use torch's protocol (see auth.hpp). Only a
+// greeted, hence authenticated when the server has a token, connection gets here.
+Outcome op_allow_peers(Request& q) {
+  const uint32_t n = q.r.count(kMaxAllowedPeers, 4);
+  std::vector<std::string_view> addrs;
+  addrs.reserve(n);
+  for (uint32_t i = 0; i < n && q.r.ok(); ++i) addrs.push_back(q.r.bytes(kMaxCidrBytes));
+  if (!q.r.done()) return Outcome::Malformed;
+  std::string error;
+  for (std::string_view a : addrs)
+    if (!q.ctx.auth.allowed.add(a, &error)) return refuse(q, Status::Error, "ALLOW_PEERS: " + error);
+  Reply(q.ctx.out, Status::Ok, q.id);
+  return Outcome::Replied;
+}
+
 constexpr Handler kHandlers[kMaxOp + 1] = {
-    nullptr,        op_hello,      op_set,     op_get,       op_try_get,    op_add,
+    nullptr,        nullptr,       op_set,     op_get,       op_try_get,    op_add,
     op_compare_set, op_wait,       op_check,   op_delete_key, op_num_keys,  op_list_keys,
     op_append,      op_multi_get,  op_multi_set, op_queue_push, op_queue_pop, op_queue_len,
-    op_ping,        op_barrier,    op_watch,   op_stats,
+    op_ping,        op_barrier,    op_watch,   op_stats,      nullptr,      op_allow_peers,
 };
 
 
@@ -331,10 +335,12 @@ class NativeCodec final : public Codec {
   Step step(CommandContext& ctx, const char* data, std::size_t size, std::size_t* consumed,
             std::string* reason) override {
     FrameHeader h;
-    switch (peek_frame(data, size, kMaxFrameBytes, &h)) {
+    switch (peek_frame(data, size, greeted_ ? kMaxFrameBytes : kMaxHandshakeFrameBytes, &h)) {
       case FrameParse::NeedMore: return Step::NeedMore;
       case FrameParse::TooLarge:
-        *reason = "frame over kMaxFrameBytes (" + std::to_string(kMaxFrameBytes) + ")";
+        *reason = greeted_ ? "frame over kMaxFrameBytes (" + std::to_string(kMaxFrameBytes) + ")"
+                           : "handshake frame over kMaxHandshakeFrameBytes (" +
+                                 std::to_string(kMaxHandshakeFrameBytes) + ")";
         return Step::Close;
       case FrameParse::Malformed:
         *reason = "malformed frame header (body shorter than 5 bytes)";
@@ -345,17 +351,16 @@ class NativeCodec final : public Codec {
       *reason = "unknown opcode " + std::to_string(h.code);
       return Step::Close;
     }
-    if (!greeted_ && static_cast<Op>(h.code) != Op::Hello) {
-      *reason = std::string("first frame is ") + op_name(h.code) + ", not HELLO";
+    Request q{ctx, h.request_id, Reader(data + kFrameHeaderBytes, h.payload_len())};
+    *consumed = h.total();
+    if (!greeted_) return handshake(q, static_cast<Op>(h.code), reason);
+    if (kHandlers[h.code] == nullptr) {
+      *reason = std::string(op_name(h.code)) + " after the handshake";
       return Step::Close;
     }
-    Request q{ctx, h.request_id, Reader(data + kFrameHeaderBytes, h.payload_len())};
-    switch (kHandlers[h.code](q)) {
-      case Outcome::Malformed:
-        *reason = std::string("malformed frame (opcode ") + op_name(h.code) + ")";
-        return Step::Close;
-      case Outcome::Greeted: greeted_ = true; break;
-      case Outcome::Replied: break;
+    if (kHandlers[h.code](q) == Outcome::Malformed) {
+      *reason = std::string("malformed frame (opcode ") + op_name(h.code) + ")";
+      return Step::Close;
     }
     *consumed = h.total();
     return Step::Handled;
@@ -367,7 +372,20 @@ class NativeCodec final : public Codec {
   }
 
  private:
+  // HELLO, then (when either side has a token) AUTH: ServerHandshake (auth.cpp). A refusal is
+  // replied UNAUTHENTICATED and the connection closes once the reply is written (ReplyAndClose).
+  Step handshake(Request& q, Op op, std::string* reason) {
+    switch (handshake_.on_frame(q.ctx.auth, op, q.id, q.r, q.ctx.conn, q.ctx.out, reason)) {
+      case HandshakeStep::Pending: return Step::Handled;
+      case HandshakeStep::Greeted: greeted_ = true; return Step::Handled;
+      case HandshakeStep::Refused: return Step::ReplyAndClose;
+      case HandshakeStep::Close: return Step::Close;
+    }
+    return Step::Close;
+  }
+
   bool greeted_ = false;
+  ServerHandshake handshake_;
 };
 
 }  // namespace

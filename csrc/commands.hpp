@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "auth.hpp"
 #include "kv_state.hpp"
 
 namespace elasticstore {
@@ -27,9 +28,12 @@ struct CommandContext {
   ConnId conn;
   std::string& out;  // the connection's write buffer: replies are appended here
   const StatsSource& stats;
+  ServerAuth& auth;
 };
 
-enum class Step { NeedMore, Handled, Close };
+// ReplyAndClose: the request was handled (*consumed) and answered with a refusal; the reply is
+// sent, then the connection closes for *reason (a failed handshake).
+enum class Step { NeedMore, Handled, Close, ReplyAndClose };
 
 class Codec {
  public:
@@ -46,7 +50,7 @@ class Codec {
   // *reason says why and the connection closes.
   virtual bool complete(const Completion& c, const KvState& kv, std::string& out,
                         std::size_t room, std::string* reason) = 0;
-  // True once the codec's handshake is done (native: HELLO answered).
+  // True once the codec's handshake is done (native: HELLO answered, and AUTH with a token).
   virtual bool handshake_done() const noexcept = 0;
 };
 

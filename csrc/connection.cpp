@@ -43,9 +43,16 @@ void Connection::fail(std::string reason, bool bad_input) {
 }
 
 // Returns the bytes the preamble used (0 while more are needed, or when it failed).
-std::size_t Connection::sniff(const char* data, std::size_t size) {
+std::size_t Connection::sniff(ConnectionHost& host, const char* data, std::size_t size) {
   const auto first = static_cast<uint8_t>(data[0]);
   if (first == kTorchValidateByte) {  // the codec parses VALIDATE itself: nothing consumed
+    // torch's protocol cannot authenticate: with a token, only peers the job vouches for.
+    if (host.auth().required() && !host.auth().allowed.allows(peer_addr)) {
+      fail("torch TCPStore client refused: the server has a token and this peer is neither "
+           "loopback, nor an allowed peer, nor in an --allow-unauthenticated-from range",
+           true);
+      return 0;
+    }
     codec_ = make_tcpstore_codec();
     set_state(ConnState::Handshaking);
     return 0;
@@ -77,17 +84,22 @@ std::size_t Connection::handle(ConnectionHost& host, const char* data, std::size
       break;
     }
     if (state_ == ConnState::AwaitingPreamble) {
-      const std::size_t n = sniff(data + used, size - used);
+      const std::size_t n = sniff(host, data + used, size - used);
       if (state_ == ConnState::AwaitingPreamble || state_ == ConnState::Closing) break;
       used += n;
       continue;
     }
-    CommandContext ctx{host.kv(), id_, out_.tail(), host};
+    CommandContext ctx{host.kv(), id_, out_.tail(), host, host.auth()};
     std::size_t consumed = 0;
     std::string reason;
     const Step s = codec_->step(ctx, data + used, size - used, &consumed, &reason);
     if (s == Step::NeedMore) break;
     if (s == Step::Close) {
+      fail(std::move(reason), true);
+      break;
+    }
+    if (s == Step::ReplyAndClose) {  // a refused handshake: the small reply fits the socket buffer
+      flush();
       fail(std::move(reason), true);
       break;
     }

@@ -2,6 +2,8 @@
 // style). The first bytes pick the codec; the codec turns whole requests into KvState calls.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -31,6 +33,8 @@ class ConnectionHost : public StatsSource {
   virtual void drain_ready() = 0;
   // Counts one request handled (any codec), for the `requests` statistic.
   virtual void count_request() noexcept = 0;
+  // The token and the peers allowed to use torch's unauthenticated protocol.
+  virtual ServerAuth& auth() noexcept = 0;
 };
 
 class Connection {
@@ -74,6 +78,7 @@ class Connection {
   void fail(std::string reason, bool bad_input);
 
   // Server bookkeeping.
+  sockaddr_storage peer_addr{};  // checked against ServerAuth::allowed for torch's protocol
   EventLoop::TimerId frame_timer = 0;
   EventLoop::TimerId handshake_timer = 0;  // armed at accept, until the handshake is done
   uint32_t events = 0;          // kReadable/kWritable registered with the loop
@@ -84,7 +89,7 @@ class Connection {
 
  private:
   std::size_t handle(ConnectionHost& host, const char* data, std::size_t size);
-  std::size_t sniff(const char* data, std::size_t size);
+  std::size_t sniff(ConnectionHost& host, const char* data, std::size_t size);
 
   int fd_;
   ConnId id_;

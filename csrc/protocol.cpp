@@ -25,6 +25,8 @@ const char* op_name(uint8_t op) {
     case Op::Barrier: return "BARRIER";
     case Op::Watch: return "WATCH";
     case Op::Stats: return "STATS";
+    case Op::Auth: return "AUTH";
+    case Op::AllowPeers: return "ALLOW_PEERS";
   }
   return "UNKNOWN";
 }

@@ -15,7 +15,10 @@ namespace elasticstore {
 inline constexpr char kNativePreamble[4] = {'E', 'S', 'T', 'O'};
 inline constexpr std::size_t kPreambleBytes = 4;
 inline constexpr uint8_t kTorchValidateByte = 0x00;  // first byte of torch's TCPStore VALIDATE
-inline constexpr uint32_t kProtocolVersion = 1;
+// 2: HELLO carries the client's nonce; AUTH proves the token both ways (docs/protocol.md).
+inline constexpr uint32_t kProtocolVersion = 2;
+// Version 1 (HELLO without a nonce) is still served by a server without a token.
+inline constexpr uint32_t kMinProtocolVersion = 1;
 
 // ---- limits (every size the server accepts is named here) -------------------------------------
 inline constexpr std::size_t kMaxKeyBytes = 8 * 1024;
@@ -89,8 +92,10 @@ enum class Op : uint8_t {
   Barrier = 19,
   Watch = 20,
   Stats = 21,
+  Auth = 22,
+  AllowPeers = 23,
 };
-inline constexpr uint8_t kMaxOp = 21;
+inline constexpr uint8_t kMaxOp = 23;
 
 enum class Status : uint8_t {
   Ok = 0,

@@ -42,6 +42,9 @@ void translate_exception(std::exception_ptr p) {
     // The Python exception raised by a signal handler is re-raised by call_blocking(); this is
     // reached only when no Python exception was pending (a C++-level interrupt).
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+  } catch (const es::AuthenticationError& e) {
+    const ErrorTypes& t = error_types();
+    raise_as(t.authentication ? t.authentication : t.store, PyExc_PermissionError, e.what());
   } catch (const es::StoreError& e) {
     raise_as(error_types().store, PyExc_RuntimeError, e.what());
   } catch (const std::system_error& e) {

@@ -23,7 +23,7 @@ namespace es = elasticstore;
 // The Python classes set by _set_error_types(). Heap-allocated and never freed: the objects must
 // not be released after the interpreter is gone.
 struct ErrorTypes {
-  py::object store, timeout, network, compacted;
+  py::object store, timeout, network, compacted, authentication;
 };
 ErrorTypes& error_types();
 // Registered with py::register_exception_translator: C++ errors to the registered classes.

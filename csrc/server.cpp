@@ -20,6 +20,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "auth.hpp"
 #include "buffer.hpp"
 #include "connection.hpp"
 #include "event_loop.hpp"
@@ -40,11 +41,30 @@ constexpr const char* kStatNames[] = {
 };
 constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
+std::vector<Cidr> parse_ranges(const std::vector<std::string>& texts) {
+  std::vector<Cidr> out(texts.size());
+  std::string error;
+  for (std::size_t i = 0; i < texts.size(); ++i)
+    if (!parse_cidr(texts[i], &out[i], &error)) throw std::invalid_argument("allow_unauthenticated_from: " + error);
+  return out;
+}
+
+const std::string& checked_token(const std::string& token) {
+  if (!token.empty() && token.size() > kMaxTokenBytes) throw std::invalid_argument(token_problem(token));
+  return token;
+}
+
 }  // namespace
 
 class Server::Impl final : public ConnectionHost {
  public:
-  explicit Impl(ServerConfig cfg) : cfg_(std::move(cfg)), loop_(new EventLoop()), kv_(&EventLoop::now_ms, cfg_.limits) {
+  explicit Impl(ServerConfig cfg)
+      : cfg_(std::move(cfg)),
+        auth_{checked_token(cfg_.token), PeerAllowList(cfg_.allow_loopback, parse_ranges(cfg_.allow_unauthenticated_from))},
+        loop_(new EventLoop()),
+        kv_(&EventLoop::now_ms, cfg_.limits) {
+    std::string error;
+    if (!auth_.allowed.set(cfg_.allowed_peers, &error)) throw std::invalid_argument("allowed_peers: " + error);
     listen_fd_ = open_listener(cfg_);
     sockaddr_storage ss{};
     socklen_t len = sizeof ss;
@@ -52,6 +72,7 @@ class Server::Impl final : public ConnectionHost {
     host_ = numeric_address(ss, false);
     port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                            : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    warn_if_exposed(ss);
     reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     scratch_.resize(kReadScratchBytes);
     if (!loop_->add(listen_fd_, kReadable, &Impl::on_accept, this)) {
@@ -102,7 +123,19 @@ class Server::Impl final : public ConnectionHost {
     return out;
   }
 
+  // One line when a non-loopback address is bound without a token.
+  void warn_if_exposed(const sockaddr_storage& ss) const {
+    if (auth_.required() || is_loopback(ss)) return;
+    log(LogLevel::Warning,
+        "listening on %s:%u without a token: anyone who can reach this port can read and write "
+        "every key (and torch's rendezvous unpickles what it reads); set a token (--token-file)",
+        host_.c_str(), static_cast<unsigned>(port_));
+  }
+
+  ServerAuth& server_auth() noexcept { return auth_; }
+
   // ---- ConnectionHost ----
+  ServerAuth& auth() noexcept override { return auth_; }
   KvState& kv() noexcept override { return kv_; }
   StatsList stats_snapshot() const override {
     const auto v = collect();
@@ -220,6 +253,7 @@ class Server::Impl final : public ConnectionHost {
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       const ConnId id = next_id_++;
       auto conn = std::make_unique<Connection>(fd, id, std::move(peer), cfg_.max_connection_buffer_bytes);
+      conn->peer_addr = ss;
       if (!loop_->add(fd, kReadable, &Impl::on_conn_event, this)) {
         log(LogLevel::Error, "cannot watch connection %s", conn->peer().c_str());
         if (from_peer == 0) per_peer_.erase(ip);
@@ -407,6 +441,7 @@ class Server::Impl final : public ConnectionHost {
   }
 
   ServerConfig cfg_;
+  ServerAuth auth_;
   std::unique_ptr<EventLoop> loop_;
   KvState kv_;
   int listen_fd_ = -1;
@@ -446,5 +481,15 @@ void Server::start() { impl_->start(); }
 void Server::stop() noexcept { impl_->stop(); }
 bool Server::running() const noexcept { return impl_->running(); }
 std::vector<std::pair<std::string, uint64_t>> Server::stats() const { return impl_->stats_published(); }
+void Server::allow_peer(const std::string& addr) {
+  std::string error;
+  if (!impl_->server_auth().allowed.add(addr, &error)) throw std::invalid_argument(error);
+}
+void Server::set_allowed_peers(const std::vector<std::string>& addrs) {
+  std::string error;
+  if (!impl_->server_auth().allowed.set(addrs, &error)) throw std::invalid_argument(error);
+}
+std::vector<std::string> Server::allowed_peers() const { return impl_->server_auth().allowed.peers(); }
+bool Server::requires_token() const noexcept { return impl_->server_auth().required(); }
 
 }  // namespace elasticstore

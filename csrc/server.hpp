@@ -38,6 +38,16 @@ struct ServerConfig {
   // Key/value size and keys per request (at most their constants: frames stay bounded), blocked
   // requests per connection, and what the store holds (keys plus queued items, their bytes).
   StoreLimits limits;
+  // Authentication (docs/authentication.md). Empty: none. Otherwise native clients prove this
+  // token (1..kMaxTokenBytes bytes) in the handshake, and torch's TCPStore protocol, which cannot,
+  // is served only to loopback, allowed peers and the ranges below.
+  std::string token;
+  // With a token: CIDRs (or addresses) whose peers may use torch's unauthenticated protocol.
+  std::vector<std::string> allow_unauthenticated_from;
+  // With a token: peers the job vouches for at start (more: Server::allow_peer, ALLOW_PEERS).
+  std::vector<std::string> allowed_peers;
+  // With a token: loopback peers may use torch's protocol. Turned off only by tests.
+  bool allow_loopback = true;
 };
 
 // Throws std::invalid_argument naming the field and its range when a value is out of range.
@@ -61,6 +71,12 @@ class Server {
   bool running() const noexcept;
   // A snapshot published by the loop before each poll (thread-safe; never blocks the loop).
   std::vector<std::pair<std::string, uint64_t>> stats() const;
+  // The peers allowed to use torch's TCPStore protocol when the server has a token (thread-safe).
+  // An address or CIDR; throws std::invalid_argument when one does not parse.
+  void allow_peer(const std::string& addr);
+  void set_allowed_peers(const std::vector<std::string>& addrs);  // replaces; all or nothing
+  std::vector<std::string> allowed_peers() const;
+  bool requires_token() const noexcept;
 
  private:
   class Impl;

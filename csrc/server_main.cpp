@@ -2,6 +2,10 @@
 // as a daemon. The same flags and output as `elasticstore server`:
 //
 //   elasticstore-server [--host H] [--port P] [--backlog N] [--log-level L] [limit flags]
+//                       [--token-file PATH] [--allow-unauthenticated-from CIDR]...
+//
+// The token: --token-file, else the file named by ELASTICSTORE_TOKEN_FILE, else ELASTICSTORE_TOKEN,
+// else none (docs/authentication.md).
 //
 // prints "elasticstore server listening on H:P" once it accepts connections and serves until
 // SIGINT or SIGTERM, then stops cleanly (exit 0). A bad flag exits 2 naming the flag and why; a
@@ -17,6 +21,7 @@
 #include <exception>
 #include <string>
 
+#include "auth.hpp"
 #include "server.hpp"
 
 namespace {
@@ -31,11 +36,16 @@ constexpr int kExitUsage = 2;
 const char* const kUsage =
     "usage: elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N]\n"
     "                           [--log-level {debug,info,warning,error,off}] [limit flags]\n"
+    "                           [--token-file PATH] [--allow-unauthenticated-from CIDR]...\n"
     "\n"
     "Serves an elasticstore (native and torch TCPStore protocols on one port) until SIGINT or\n"
     "SIGTERM. --host: numeric address to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
     "interface), --port: default 29400, 0 picks a free one; --backlog: 0 uses somaxconn;\n"
     "--max-connections: default 65536; --log-level: default warning.\n"
+    "--token-file: a file holding the shared token native clients must prove (default: the\n"
+    "file named by $ELASTICSTORE_TOKEN_FILE, else $ELASTICSTORE_TOKEN, else no token); with a\n"
+    "token, torch's TCPStore protocol is served only to loopback, peers the job allows, and\n"
+    "each --allow-unauthenticated-from range (IPv4 or IPv6 CIDR, repeatable).\n"
     "\n"
     "Limits (docs/protocol.md; default in brackets):\n"
     "  --max-connections-per-peer N     connections from one IP address [8192]\n"
@@ -116,9 +126,33 @@ bool parse_limit(ServerConfig& cfg, const std::string& flag, const std::string& 
   return true;
 }
 
+// The token by precedence: --token-file, $ELASTICSTORE_TOKEN_FILE, $ELASTICSTORE_TOKEN. A file
+// that cannot be read, or an empty or oversized token, exits 2.
+std::string load_token(std::string file) {
+  const char* from = "--token-file";
+  if (file.empty()) {
+    const char* env_file = std::getenv("ELASTICSTORE_TOKEN_FILE");
+    if (env_file && *env_file) {
+      file = env_file;
+      from = "ELASTICSTORE_TOKEN_FILE";
+    }
+  }
+  try {
+    if (!file.empty()) return elasticstore::read_token_file(file);
+  } catch (const std::exception& e) {
+    bad_flag(from, e.what());
+  }
+  const char* env = std::getenv("ELASTICSTORE_TOKEN");
+  if (!env || !*env) return {};
+  const std::string problem = elasticstore::token_problem(env);
+  if (!problem.empty()) bad_flag("ELASTICSTORE_TOKEN", problem);
+  return env;
+}
+
 ServerConfig parse_args(int argc, char** argv) {
   ServerConfig cfg;
   cfg.port = kDefaultPort;
+  std::string token_file;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "-h" || flag == "--help") {
@@ -151,11 +185,19 @@ ServerConfig parse_args(int argc, char** argv) {
           parse_int(flag, value.c_str(), 1, 1LL << 40, "a connection count >= 1"));
     } else if (flag == "--log-level") {
       cfg.log_level = parse_level(flag, value);
+    } else if (flag == "--token-file") {
+      token_file = value;
+    } else if (flag == "--allow-unauthenticated-from") {
+      elasticstore::Cidr c;
+      std::string error;
+      if (!elasticstore::parse_cidr(value, &c, &error)) bad_flag(flag, error);
+      cfg.allow_unauthenticated_from.push_back(value);
     } else if (parse_limit(cfg, flag, value)) {
     } else {
       bad_flag(flag, "unrecognized argument");
     }
   }
+  cfg.token = load_token(token_file);
   return cfg;
 }
 

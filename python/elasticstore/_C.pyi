@@ -21,6 +21,7 @@ MAX_KEY_BYTES: int
 MAX_VALUE_BYTES: int
 MAX_KEYS_PER_REQUEST: int
 NO_TIMEOUT: float  # -1.0
+MAX_TOKEN_BYTES: int
 
 def _set_error_types(
     *,
@@ -28,10 +29,12 @@ def _set_error_types(
     timeout: type[Exception],
     network: type[Exception],
     compacted: type[Exception],
+    authentication: type[Exception] | None = None,
 ) -> None:
     """Sets the Python classes raised for: a store error reply (ERROR, WRONG_TYPE, TOO_LARGE,
-    UNAUTHENTICATED, protocol violations), a timeout, a network failure, and a COMPACTED watch.
-    The compacted class is constructed with (message, oldest_revision)."""
+    protocol violations), a timeout, a network failure, a COMPACTED watch, and a failed
+    authentication (default: the store class). The compacted class is constructed with
+    (message, oldest_revision)."""
 
 class Server:
     """The native TCP store server. The constructor binds and listens (so ``port`` is known and
@@ -57,7 +60,17 @@ class Server:
         max_stored_bytes: int = 4294967296,  # their key and value bytes
         frame_timeout_ms: int = 30000,  # time to finish a request once started
         handshake_timeout_ms: int = 10000,  # time from connect to the end of the handshake
+        token: str = "",  # "": no authentication; else 1..MAX_TOKEN_BYTES bytes
+        allow_unauthenticated_from: list[str] = ...,  # CIDRs that may use torch's protocol
+        allowed_peers: list[str] = ...,  # peers vouched for at start
+        allow_loopback: bool = True,  # loopback may use torch's protocol (tests turn it off)
     ) -> None: ...
+    @property
+    def requires_token(self) -> bool: ...
+    def allow_peer(self, addr: str) -> None:
+        """An address or CIDR that may use torch's protocol; ValueError when it does not parse."""
+    def set_allowed_peers(self, addrs: list[str]) -> None: ...
+    def allowed_peers(self) -> list[str]: ...
     @property
     def host(self) -> str: ...  # the numeric address bound
     @property
@@ -98,6 +111,7 @@ class Client:
         connect_timeout: float = 300.0,
         timeout: float = 300.0,
         client_name: str = "",
+        token: str = "",  # the server's token; "": none (AuthenticationError on a failed handshake)
     ) -> None: ...
     @property
     def host(self) -> str: ...
@@ -140,6 +154,8 @@ class Client:
         """timeout 0: None when empty. Otherwise blocks; raises the timeout error when it passes."""
     def queue_len(self, queue: _Key) -> int: ...
     def ping(self) -> None: ...
+    def allow_peers(self, addrs: list[str]) -> None:
+        """ALLOW_PEERS: these addresses or CIDRs may use torch's protocol on a server with a token."""
     def barrier(self, key: _Key, world_size: int, timeout: float) -> int:
         """Returns the generation released (0, 1, 2, ...)."""
     def watch(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from . import _C
 from .errors import (
     AmbiguousOutcomeError,
+    AuthenticationError,
     QueueEmptyError,
     StoreError,
     StoreNetworkError,
@@ -19,6 +20,7 @@ from .errors import (
     WatchCompactedError,
 )
 from .init_method import register as _register_init_method
+from ._token import read_token_file
 from .server import ServerConfig, StoreServer
 from .store import Store, WatchEvent
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported o
 __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never needs etcd3
     "AmbiguousOutcomeError",
     "QueueEmptyError",
+    "AuthenticationError",
     "ServerConfig",
     "Store",
     "StoreError",
@@ -37,6 +40,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "WatchCompactedError",
     "WatchEvent",
     "__version__",
+    "read_token_file",
 ]
 
 __version__: str = _C.__version__
@@ -47,6 +51,7 @@ _C._set_error_types(
     timeout=StoreTimeoutError,
     network=StoreNetworkError,
     compacted=WatchCompactedError,
+    authentication=AuthenticationError,
 )
 _register_init_method()
 

@@ -1,11 +1,14 @@
 """The ``elasticstore`` command line.
 
     elasticstore server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
+                        [--token-file PATH] [--allow-unauthenticated-from CIDR]...
     elasticstore get KEY | set KEY VALUE | ls [PREFIX] | status   [--addr HOST:PORT]
+                                                               [--token-file PATH]
 
 ``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
 until SIGINT or SIGTERM. The client commands talk to ``--addr`` (default: ``$ELASTICSTORE_ADDR``,
-else ``127.0.0.1:29400``).
+else ``127.0.0.1:29400``). The token (docs/authentication.md): ``--token-file``, else the file
+named by ``$ELASTICSTORE_TOKEN_FILE``, else ``$ELASTICSTORE_TOKEN``, else none.
 """
 
 from __future__ import annotations
@@ -60,6 +63,28 @@ def _addr(text: str) -> tuple[str, int]:
     return host, number
 
 
+_TOKEN_HELP = (
+    "file holding the shared token (default: $ELASTICSTORE_TOKEN_FILE's file, else "
+    "$ELASTICSTORE_TOKEN, else none)"
+)
+
+
+def _cidr(text: str) -> str:
+    import ipaddress
+
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4/IPv6 address or CIDR") from None
+    return text
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    from ._token import read_token_file
+
+    return read_token_file(args.token_file) if args.token_file else None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elasticstore", description="elasticstore: a key-value store for torch.distributed"
@@ -72,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         help="server HOST:PORT (default: $ELASTICSTORE_ADDR or %(default)s)",
     )
     client.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    client.add_argument("--token-file", help=_TOKEN_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = sub.add_parser("server", help="run a store server until SIGINT/SIGTERM")
@@ -84,6 +110,16 @@ def _parser() -> argparse.ArgumentParser:
         "--max-connections", type=_int_at_least(1, "a connection count >= 1"), default=65536
     )
     server.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
+    server.add_argument("--token-file", help=_TOKEN_HELP)
+    server.add_argument(
+        "--allow-unauthenticated-from",
+        action="append",
+        default=[],
+        type=_cidr,
+        metavar="CIDR",
+        help="with a token, also serve torch's unauthenticated TCPStore protocol to peers in this "
+        "IPv4/IPv6 range (repeatable; loopback and peers the job allows are always served)",
+    )
 
     get = sub.add_parser("get", parents=[client], help="print a key's value (exit 1 when missing)")
     get.add_argument("key")
@@ -105,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=args.backlog,
         max_connections=args.max_connections,
         log_level=args.log_level,
+        token=_token(args),
+        allow_unauthenticated_from=tuple(args.allow_unauthenticated_from),
     )
     # Python runs signal handlers in the main thread whichever thread the kernel picked (the
     # server's, or one torch started at import); the handler only wakes the main thread.
@@ -128,7 +166,7 @@ def _client(args: argparse.Namespace) -> int:
 
     host, port = args.addr
     wait = timedelta(seconds=args.timeout)
-    with Store(host, port, timeout=wait, connect_timeout=wait) as store:
+    with Store(host, port, timeout=wait, connect_timeout=wait, token=_token(args)) as store:
         if args.command == "get":
             value = store.try_get(args.key)
             if value is None:

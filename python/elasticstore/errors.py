@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 __all__ = [
     "AmbiguousOutcomeError",
+    "AuthenticationError",
     "QueueEmptyError",
     "StoreError",
     "StoreNetworkError",
@@ -29,6 +30,12 @@ class StoreTimeoutError(StoreError):
 
     The store stays usable after it.
     """
+
+
+class AuthenticationError(StoreError):
+    """The handshake could not authenticate: a wrong or missing token on either side, or a server
+    that could not prove it holds the client's token. The message names the cause. The connection
+    was closed before any key was touched; retrying does not help."""
 
 
 class StoreNetworkError(dist.DistNetworkError):

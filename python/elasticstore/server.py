@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
 
 from . import _C
+from ._token import resolve_token
 
 __all__ = ["LOG_LEVELS", "ServerConfig", "StoreServer", "format_address", "resolve_host"]
 
@@ -73,6 +75,10 @@ class ServerConfig:
     backlog: int = 0
     max_connections: int = 65536
     log_level: str = "warning"
+    token: str | None = field(default=None, repr=False)
+    allow_unauthenticated_from: tuple[str, ...] = ()
+    allowed_peers: tuple[str, ...] = ()
+    allow_loopback: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -93,6 +99,8 @@ class ServerConfig:
             raise ValueError(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
+        object.__setattr__(self, "allow_unauthenticated_from", tuple(self.allow_unauthenticated_from))
+        object.__setattr__(self, "allowed_peers", tuple(self.allowed_peers))
 
 
 class StoreServer:
@@ -105,6 +113,12 @@ class StoreServer:
 
         with StoreServer(port=0) as server:
             store = elasticstore.Store(server.host, server.port)
+
+    ``token`` (docs/authentication.md): ``None`` reads ``ELASTICSTORE_TOKEN_FILE``, else
+    ``ELASTICSTORE_TOKEN``; ``""`` means none. With a token, native clients must prove it, and
+    torch's TCPStore protocol is served only to loopback (``allow_loopback``), the
+    ``allowed_peers`` (see :meth:`allow_peer`) and the ``allow_unauthenticated_from`` CIDRs.
+    Binding a non-loopback address without a token logs one warning.
     """
 
     def __init__(
@@ -116,8 +130,22 @@ class StoreServer:
         max_connections: int = 65536,
         log_level: str = "warning",
         resolve_timeout: timedelta | float = _RESOLVE_TIMEOUT,
+        token: str | None = None,
+        allow_unauthenticated_from: Iterable[str] = (),
+        allowed_peers: Iterable[str] = (),
+        allow_loopback: bool = True,
     ) -> None:
-        self._config = ServerConfig(host, port, backlog, max_connections, log_level)
+        self._config = ServerConfig(
+            host,
+            port,
+            backlog,
+            max_connections,
+            log_level,
+            token,
+            tuple(allow_unauthenticated_from),
+            tuple(allowed_peers),
+            allow_loopback,
+        )
         self._server: _C.Server | None = None
         if isinstance(resolve_timeout, timedelta):
             resolve_timeout = resolve_timeout.total_seconds()
@@ -127,6 +155,10 @@ class StoreServer:
             backlog=backlog,
             max_connections=max_connections,
             log_level=log_level,  # type: ignore[arg-type]  # checked by ServerConfig
+            token=resolve_token(token),
+            allow_unauthenticated_from=list(self._config.allow_unauthenticated_from),
+            allowed_peers=list(self._config.allowed_peers),
+            allow_loopback=allow_loopback,
         )
         server.start()
         self._server = server
@@ -166,6 +198,29 @@ class StoreServer:
         if self._server is None:
             raise RuntimeError(f"{self!r} is closed")
         return dict(self._server.stats())
+
+    @property
+    def requires_token(self) -> bool:
+        """Whether native clients must prove a token (and torch's protocol is restricted)."""
+        return self._live().requires_token
+
+    def allow_peer(self, addr: str) -> None:
+        """Lets ``addr`` (an address or CIDR) use torch's TCPStore protocol when the server has
+        a token. Raises ``ValueError`` when it does not parse."""
+        self._live().allow_peer(addr)
+
+    def set_allowed_peers(self, addrs: Iterable[str]) -> None:
+        """Replaces the peers allowed by :meth:`allow_peer` (not the operator's CIDRs)."""
+        self._live().set_allowed_peers(list(addrs))
+
+    def allowed_peers(self) -> list[str]:
+        """The peers allowed by :meth:`allow_peer`, as CIDRs."""
+        return self._live().allowed_peers()
+
+    def _live(self) -> _C.Server:
+        if self._server is None:
+            raise RuntimeError(f"{self!r} is closed")
+        return self._server
 
     def close(self) -> None:
         """Stops serving, closes every connection and joins the thread. Idempotent."""

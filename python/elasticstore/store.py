@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Literal, Union
 import torch.distributed as dist
 
 from . import _C, _keepalive
+from ._token import resolve_token
 from .errors import QueueEmptyError, StoreError
 
 if TYPE_CHECKING:
@@ -65,6 +67,10 @@ class Store(dist.Store):
     in the child (the parent's is left untouched). Keys and values may be ``str`` or ``bytes``; values come back as ``bytes``. Timeouts
     raise :class:`~elasticstore.StoreTimeoutError` (a ``DistStoreError``) and leave the store
     usable; lost connections raise :class:`~elasticstore.StoreNetworkError`.
+
+    ``token`` is the server's shared token (docs/authentication.md): ``None`` reads
+    ``ELASTICSTORE_TOKEN_FILE``, else ``ELASTICSTORE_TOKEN``; ``""`` connects without one. A
+    failed handshake raises :class:`~elasticstore.AuthenticationError` naming the cause.
     """
 
     if TYPE_CHECKING:
@@ -79,8 +85,10 @@ class Store(dist.Store):
         timeout: timedelta = _DEFAULT_TIMEOUT,
         connect_timeout: timedelta | None = None,
         client_name: str = "",
+        token: str | None = None,
     ) -> None:
         super().__init__()
+        self._token = resolve_token(token)
         self._host = host
         self._port = int(port)
         self._connect_timeout = connect_timeout
@@ -103,7 +111,36 @@ class Store(dist.Store):
             connect_timeout=budget.total_seconds(),
             timeout=_seconds(self.timeout),
             client_name=self._client_name,
+            token=self._token,
         )
+
+    @classmethod
+    def from_env(cls, *, client_name: str = "") -> Store:
+        """A store from the environment a launcher sets: ``ELASTICSTORE_HOST``,
+        ``ELASTICSTORE_PORT``, optionally ``ELASTICSTORE_TIMEOUT`` (seconds) and the token
+        (``ELASTICSTORE_TOKEN_FILE``, else ``ELASTICSTORE_TOKEN``). Raises ``ValueError`` naming
+        a variable that is missing or malformed."""
+        host = os.environ.get("ELASTICSTORE_HOST", "")
+        port_text = os.environ.get("ELASTICSTORE_PORT", "")
+        if not host or not port_text:
+            raise ValueError("Store.from_env() needs ELASTICSTORE_HOST and ELASTICSTORE_PORT")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(f"ELASTICSTORE_PORT={port_text!r} is not a port number") from None
+        timeout = _DEFAULT_TIMEOUT
+        timeout_text = os.environ.get("ELASTICSTORE_TIMEOUT")
+        if timeout_text:
+            try:
+                timeout = timedelta(seconds=float(timeout_text))
+            except ValueError:
+                raise ValueError(f"ELASTICSTORE_TIMEOUT={timeout_text!r} is not seconds") from None
+        return cls(host, port, timeout=timeout, client_name=client_name)
+
+    def allow_peers(self, addrs: list[str]) -> None:
+        """Lets these addresses or CIDRs use torch's unauthenticated TCPStore protocol on a
+        server with a token (the job vouches for them, e.g. a round's members)."""
+        self._conn().allow_peers(list(addrs))
 
     def _conn(self) -> _C.Client:
         client = self._client
@@ -255,6 +292,7 @@ class Store(dist.Store):
             timeout=self.timeout,
             connect_timeout=self._connect_timeout,
             client_name=self._client_name,
+            token=self._token,
         )
 
     def append(self, key: Key, value: Value) -> None:  # type: ignore[override]

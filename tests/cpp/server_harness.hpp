@@ -137,6 +137,7 @@ inline std::string hello_frame(uint32_t id = 1) {
   return frame(Op::Hello, id, [](Writer& w) {
     w.u32(kProtocolVersion);
     w.bytes("test");
+    w.bytes("");  // no client nonce: no token
   });
 }
 inline std::string set_frame(uint32_t id, const std::string& k, const std::string& v, uint8_t flags = 0) {

@@ -143,6 +143,7 @@ class FakeServer {
         Writer w(p);
         w.u32(kProtocolVersion);
         w.u64(42);
+        w.bytes("");  // no server nonce: no authentication
         reply(conn_fd_, 0, h.request_id, p);
         hello = false;
         continue;
