@@ -48,6 +48,8 @@ def test_worker_sigkill_restarts_every_worker_warm(tmp_path: object) -> None:
             assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
             assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == "1"
             assert env["ELASTICSTORE_ADDR"] == f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            assert (env["ELASTICSTORE_HOST"], env["ELASTICSTORE_PORT"]) == (
+                env["MASTER_ADDR"], env["MASTER_PORT"])
             assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_{attempt}/{rank}/error.json")
         # The old workers and the children they started are gone.
         from agent_procs import assert_gone

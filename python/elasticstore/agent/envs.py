@@ -30,6 +30,8 @@ def worker_env(s: AgentSettings, info: RendezvousInfo, use_agent_store: bool, at
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "ELASTICSTORE_ADDR": f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}",
+        # Store.from_env() connects to the round's store from these two.
+        "ELASTICSTORE_HOST": addr, "ELASTICSTORE_PORT": str(port),
         "ELASTICSTORE_PREFIX": f"/worker/attempt_{attempt}",
         "ELASTICSTORE_RUN_ID": s.run_id,
     })
