@@ -266,3 +266,44 @@ def test_buffer_limits_close_a_connection_that_does_not_read(
         assert store.stats()["bytes_buffered"] < 2 * 1024 * 1024
     log = d.stop()
     assert "closing connection" in log
+
+
+# ---- the same limits through StoreServer and `elasticstore server` ------------------------------
+def test_store_server_takes_the_limits() -> None:
+    from elasticstore import ServerLimits, StoreServer
+
+    limits = ServerLimits(max_key_bytes=16, max_stored_keys=2)
+    with StoreServer(limits=limits) as server:
+        assert server.config.limits == limits
+        with Store(server.host, server.port, timeout=timedelta(seconds=10)) as store:
+            with pytest.raises(StoreError, match="over the limit of 16"):
+                store.set("k" * 17, "v")
+            store.set("a", "1")
+            store.set("b", "2")
+            with pytest.raises(StoreError, match="max_stored_keys"):
+                store.set("c", "3")
+            assert store.multi_get(["a", "b"]) == [b"1", b"2"]  # nothing stored was lost
+    with pytest.raises(ValueError, match="max_key_bytes"):
+        StoreServer(limits=ServerLimits(max_key_bytes=10**6))  # over the protocol's ceiling
+    with pytest.raises(ValueError, match="max_stored_keys"):
+        ServerLimits(max_stored_keys=0)
+
+
+def test_python_server_command_takes_the_limit_flags() -> None:
+    cli = os.path.join(sysconfig.get_path("scripts"), "elasticstore")
+    done = subprocess.run([cli, "server", "--port", "0", "--max-stored-keys", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "argument --max-stored-keys: '0': must be >= 1" in done.stderr
+    server = subprocess.Popen([cli, "server", "--port", "0", "--max-stored-keys", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()  # bounded by the test timeout
+        port = int(line.strip().rsplit(":", 1)[1])
+        with Store("127.0.0.1", port, timeout=timedelta(seconds=10)) as store:
+            store.set("a", "1")
+            with pytest.raises(StoreError, match="store full"):
+                store.set("b", "2")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)

@@ -22,6 +22,7 @@ from .errors import (
 from .init_method import register as _register_init_method
 from ._token import read_token_file
 from .server import ServerConfig, StoreServer
+from .server_limits import ServerLimits
 from .store import Store, WatchEvent
 
 if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported on first use
@@ -32,6 +33,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "QueueEmptyError",
     "AuthenticationError",
     "ServerConfig",
+    "ServerLimits",
     "Store",
     "StoreError",
     "StoreNetworkError",

@@ -20,6 +20,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from .server_limits import add_limit_flags, limits_from_args
+
 __all__ = ["main"]
 
 DEFAULT_ADDR = "127.0.0.1:29400"
@@ -120,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with a token, also serve torch's unauthenticated TCPStore protocol to peers in this "
         "IPv4/IPv6 range (repeatable; loopback and peers the job allows are always served)",
     )
+    add_limit_flags(server)
 
     get = sub.add_parser("get", parents=[client], help="print a key's value (exit 1 when missing)")
     get.add_argument("key")
@@ -143,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         token=_token(args),
         allow_unauthenticated_from=tuple(args.allow_unauthenticated_from),
+        limits=limits_from_args(args),
     )
     # Python runs signal handlers in the main thread whichever thread the kernel picked (the
     # server's, or one torch started at import); the handler only wakes the main thread.

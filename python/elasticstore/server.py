@@ -11,8 +11,9 @@ from types import TracebackType
 
 from . import _C
 from ._token import resolve_token
+from .server_limits import ServerLimits
 
-__all__ = ["LOG_LEVELS", "ServerConfig", "StoreServer", "format_address", "resolve_host"]
+__all__ = ["LOG_LEVELS", "ServerConfig", "ServerLimits", "StoreServer", "format_address", "resolve_host"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "off")
 _RESOLVE_TIMEOUT = 60.0
@@ -79,6 +80,7 @@ class ServerConfig:
     allow_unauthenticated_from: tuple[str, ...] = ()
     allowed_peers: tuple[str, ...] = ()
     allow_loopback: bool = True
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -118,7 +120,9 @@ class StoreServer:
     ``ELASTICSTORE_TOKEN``; ``""`` means none. With a token, native clients must prove it, and
     torch's TCPStore protocol is served only to loopback (``allow_loopback``), the
     ``allowed_peers`` (see :meth:`allow_peer`) and the ``allow_unauthenticated_from`` CIDRs.
-    Binding a non-loopback address without a token logs one warning.
+    Binding a non-loopback address without a token logs one warning. ``limits`` sets the
+    server's bounds (key and value sizes, buffers, stored keys and bytes, timeouts; see
+    :class:`ServerLimits`); a value out of range raises ``ValueError`` naming it.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class StoreServer:
         allow_unauthenticated_from: Iterable[str] = (),
         allowed_peers: Iterable[str] = (),
         allow_loopback: bool = True,
+        limits: ServerLimits | None = None,
     ) -> None:
         self._config = ServerConfig(
             host,
@@ -145,6 +150,7 @@ class StoreServer:
             tuple(allow_unauthenticated_from),
             tuple(allowed_peers),
             allow_loopback,
+            limits or ServerLimits(),
         )
         self._server: _C.Server | None = None
         if isinstance(resolve_timeout, timedelta):
@@ -159,6 +165,7 @@ class StoreServer:
             allow_unauthenticated_from=list(self._config.allow_unauthenticated_from),
             allowed_peers=list(self._config.allowed_peers),
             allow_loopback=allow_loopback,
+            **self._config.limits.as_kwargs(),
         )
         server.start()
         self._server = server
@@ -167,7 +174,9 @@ class StoreServer:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> StoreServer:
-        return cls(**asdict(config))
+        kwargs = asdict(config)
+        kwargs["limits"] = config.limits  # asdict turned it into a dict
+        return cls(**kwargs)
 
     @property
     def config(self) -> ServerConfig:
