@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, IO
+from typing import IO
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE / "train_ddp.py"
