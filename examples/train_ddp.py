@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resumed from step {step} (epoch {sampler.epoch}, "
                   f"{sampler.samples_consumed} samples consumed) at world size {world}", flush=True)
     ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(None, allreduce_per_parameter)  # bit-exact resume at any world size
+    ddp.register_comm_hook(None, allreduce_per_parameter)  # resumes bit for bit
     loss_fn = nn.MSELoss()
     pending = torch.zeros(3, dtype=torch.float64)  # this rank's stats since the last flush
 
