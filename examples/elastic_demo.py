@@ -167,13 +167,15 @@ class Demo:
     def say(self, text: str) -> None:
         print(f"demo: {text}", flush=True)
 
-    def pump(self, until_exit: list[subprocess.Popen[str]], what: str) -> list[tuple[float, str, str]]:
+    def pump(self, until_exit: list[subprocess.Popen[str]],
+             what: str) -> list[tuple[float, str, str]]:
         """Shows lines until every process of ``until_exit`` exited (and their lines are in)."""
         seen: list[tuple[float, str, str]] = []
         while True:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                raise DemoFailed(f"{what} did not finish within the demo's {self.args.timeout:.0f} s")
+                raise DemoFailed(
+                    f"{what} did not finish within the demo's {self.args.timeout:.0f} s")
             try:
                 t, name, line = self.lines.q.get(timeout=min(0.2, left))
             except queue.Empty:
@@ -188,7 +190,8 @@ class Demo:
     def run(self) -> int:
         a, world = self.args, 2 * self.args.nproc_per_node
         port = free_port(NODES[0])
-        ckpt, summary, events = self.dir / "ckpt", self.dir / "summary.json", self.dir / "events.jsonl"
+        ckpt, summary = self.dir / "ckpt", self.dir / "summary.json"
+        events = self.dir / "events.jsonl"
         self.say(f"2 simulated nodes ({', '.join(NODES)}) x {a.nproc_per_node} workers, "
                  f"rendezvous on the embedded native store at {NODES[0]}:{port}; rank "
                  f"{a.fail_rank} fails at step {a.fail_at_step} (checkpoint every "
@@ -234,7 +237,8 @@ class Demo:
         if a.dataset_size % (world * a.batch_size) == 0:  # no padding: each sample exactly once
             bad = [e for e in range(a.epochs) if stats.get(str(e)) != expected]
             if bad:
-                raise DemoFailed(f"epoch(s) {bad} did not train on every sample exactly once: {stats}")
+                raise DemoFailed(
+                    f"epoch(s) {bad} did not train on every sample exactly once: {stats}")
             once = "every sample seen once per epoch"
         else:
             once = "sample counts not checked (the last batch is padded)"
@@ -249,11 +253,13 @@ class Demo:
                 ref_summary, None, fail=False))
             self.pump([ref], "the uninterrupted run")
             if ref.returncode != 0:
-                raise DemoFailed(f"the uninterrupted run exited with {ref.returncode} (logs: {self.dir})")
+                raise DemoFailed(
+                    f"the uninterrupted run exited with {ref.returncode} (logs: {self.dir})")
             reference = json.loads(ref_summary.read_text())
             if reference["weights_sha256"] != result["weights_sha256"]:
                 raise DemoFailed(f"final weights differ from the uninterrupted run's: "
-                                 f"{result['weights_sha256'][:16]} != {reference['weights_sha256'][:16]}")
+                                 f"{result['weights_sha256'][:16]} != "
+                                 f"{reference['weights_sha256'][:16]}")
             compared = ", weights identical to an uninterrupted run"
         self.say(f"OK — recovered in {recovery:.2f} s, final loss {result['final_loss']:.4f}"
                  f"{compared}, {once} ({time.time() - self.t0:.0f} s in all)")

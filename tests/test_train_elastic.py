@@ -116,7 +116,8 @@ def test_node_lost_mid_run_sees_each_sample_once_per_epoch(tmp_path: Path) -> No
         out = a.output(n1)
     final = summary(workdir, "job")
     assert final["world_size"] == 2, out[-4000:]
-    assert re.search(r"resumed from step \d+ \(epoch \d, \d+ samples consumed\) at world size 2", out)
+    assert re.search(r"resumed from step \d+ \(epoch \d, \d+ samples consumed\) "
+                     r"at world size 2", out)
     assert "no restart spent" in out
     assert_each_sample_once_per_epoch(final["epoch_stats"], size)
 
