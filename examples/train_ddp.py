@@ -11,7 +11,9 @@ is a function of --seed: a run interrupted and resumed from its checkpoints ends
 weights as an uninterrupted one at the same world size (the sampler replays the same order from
 the checkpoint's position; the model and optimizer state come from the checkpoint; nothing else
 draws random numbers). With --summary, rank 0 writes a JSON summary (final loss, a SHA-256 of the
-final weights, per-epoch sample counts and index sums) for comparing runs.
+final weights, per-epoch sample counts and index sums) for comparing runs. With --events, ranks
+append timestamped JSON lines to a file (a rank failing on purpose, rank 0's first step of every
+start): scripts/demo measures the recovery time with them.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="make --fail-rank exit when it reaches this step (first attempt only)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--summary", default=None, help="rank 0 writes a JSON summary here")
+    p.add_argument("--events", default=None,
+                   help="append timestamped JSON lines here: 'fail' (the rank failing on purpose), "
+                        "'first_step' (rank 0, after the first step of every start)")
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="sleep so that a step takes at least this long (seconds): to watch a run "
+                        "or to act on it mid-run")
     args = p.parse_args(argv)
     for name in ("epochs", "dataset_size", "batch_size", "checkpoint_every", "log_every", "keep"):
         if getattr(args, name) < 1:
@@ -92,6 +100,33 @@ def init_group(restart: int) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     else:  # one process, no launcher
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def allreduce_per_parameter(group, bucket):  # type: ignore[no-untyped-def]
+    """DDP communication hook: averages each parameter's gradient on its own. DDP's default
+    all-reduces a whole bucket, and the first step after every (re)start uses a different bucket
+    layout than the later ones (DDP rebuilds its buckets in gradient-ready order after one step);
+    with more than two ranks the layout changes the order of the sums, so a resumed run would end
+    a few ULPs away from an uninterrupted one. Per parameter, the order never depends on it.
+    (No annotations: DDP checks them, and this module's are strings.)"""
+    world = dist.get_world_size(group)
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in bucket.gradients()]
+    for work in works:
+        work.wait()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer().div_(world))  # gradients() are views of buffer()
+    return fut
+
+
+def record_event(path: str | None, event: str, **fields: Any) -> None:
+    """Appends one JSON line (one write on an O_APPEND file: lines of several ranks never mix)."""
+    if path:
+        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -132,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resumed from step {step} (epoch {sampler.epoch}, "
                   f"{sampler.samples_consumed} samples consumed) at world size {world}", flush=True)
     ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, allreduce_per_parameter)  # resumes bit for bit
     loss_fn = nn.MSELoss()
     pending = torch.zeros(3, dtype=torch.float64)  # this rank's stats since the last flush
 
@@ -150,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                             num_workers=args.workers)
         for index, x, y in loader:
+            step_started = time.monotonic()
             if step + 1 == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 print(f"rank {rank}: failing on purpose at step {step + 1}", file=sys.stderr,
                       flush=True)
+                record_event(args.events, "fail", rank=rank, step=step + 1, restart=restart)
                 os._exit(3)
             optimizer.zero_grad()
             loss = loss_fn(ddp(x), y)
@@ -165,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
                                     idx.sum(), (idx * idx).sum()])
             last_loss = loss.detach().reshape(1)
+            if rank == 0 and samples_this_run == len(index) * world:  # this start's first step
+                record_event(args.events, "first_step", step=step, world=world, restart=restart)
+            if args.step_time > 0:
+                time.sleep(max(0.0, args.step_time - (time.monotonic() - step_started)))
             if step % args.log_every == 0:
                 avg = last_loss.clone()
                 dist.all_reduce(avg)
