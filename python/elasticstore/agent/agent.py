@@ -12,6 +12,10 @@ from the fork server), the round must be replaced (a thread blocked in the handl
 - Every worker succeeded: exit at once; an agent hosting a store first serves until every
   participant finished (at most ``drain_timeout``, and it says so).
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
+- The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
+  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0.
+
+Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from ..store import Store
 from .config import AgentSettings
 from .envs import worker_env
+from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
 from .logs import LogRelay, Std, console_for, say
@@ -52,6 +57,7 @@ class Agent:
         handler: RendezvousHandler,
         server_factory: Callable[[bool], ForkServer] = ForkServer,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Any = None,
     ) -> None:
         self.s = settings
         self.handler = handler
@@ -65,6 +71,12 @@ class Agent:
         self._rounds = 0
         self._failures: list[Failure] = []
         self._shut = False
+        self._members: tuple[str, ...] = ()
+        self._ended_at: float | None = None  # when the last round ended here (time to recover)
+        self._cause = "worker_failure"
+        self.events = EventLog(
+            os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
+            settings.host, handler, metrics)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -80,8 +92,11 @@ class Agent:
         try:
             code = self._loop()
         except Exception as exc:
-            say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
-            code = 1
+            if self._stopped_by_operator():
+                code = self._operator_stop()
+            else:
+                say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
+                code = 1
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
@@ -91,6 +106,8 @@ class Agent:
                 signal.signal(sig, handler)
             sig_w.close()
             self._sig_r.close()
+            self.events.publish(state="succeeded" if code == 0 else f"exited {code}")
+            self.events.close()
         verdict = "succeeded" if code == 0 else f"failed (exit code {code})"
         say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
             f"round(s), {self._failures_used}/{self.s.max_restarts} restart(s) after failures, "
@@ -105,15 +122,20 @@ class Agent:
                 return 128 + info
             self._rounds += 1
             attempt, base, world = self._assign(info)
-            t1 = self._clock()
+            t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)
             self._say_round(info, base, world, t1 - t0, self._clock() - t1)
+            self._round_formed(info, base, world, t1 - t0, formed_at)
             outcome, detail = self._watch(info, attempt)
+            self._ended_at = self._clock()
+            if outcome != _SUCCEEDED and self._stopped_by_operator():
+                return self._operator_stop()
             if outcome == _SUCCEEDED:
                 self._finish(info, attempt)
                 return 0
             if outcome == _SIGNAL:
                 say(f"[elasticstore-run] got {signal.Signals(detail).name}: stopping the workers")
+                self.events.emit("stop", reason=f"signal {signal.Signals(detail).name}")
                 self._stop_group(detail)
                 return 128 + detail
             self._stop_group(signal.SIGTERM)
@@ -123,6 +145,7 @@ class Agent:
                     self._close_rendezvous()
                     return 1
                 self._failures_used += 1
+                self.events.publish(failure_restarts=self._failures_used)
                 say(f"[elasticstore-run] {detail}; restart {self._failures_used}/{self.s.max_restarts}")
             else:
                 say(f"[elasticstore-run] {detail}: new round (no restart spent)")
@@ -267,6 +290,7 @@ class Agent:
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
                         self._group.collect(worker, sel)
+                        self._worker_exited(worker)
                         if worker.exit_code != 0:
                             return self._failed(
                                 f"rank {worker.spec.rank} (pid {worker.pid}) failed with "
@@ -293,6 +317,7 @@ class Agent:
             assert self._group is not None
             self._failures = [failure_of(w, self.s.host) for w in self._group.workers
                               if w.exit_code not in (None, 0)]
+            self._publish_failure()
         return _FAILED, what
 
     def _num_waiting(self) -> int:
@@ -379,6 +404,72 @@ class Agent:
             if self._clock() - t0 > 1.0:
                 say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
                     f"({group.describe()})")
+
+    # -- what the outside sees (events.jsonl, the status record, metrics) ----------------------
+
+    def _round_formed(self, info: RendezvousInfo, base: int, world: int, took: float,
+                      formed_at: float) -> None:
+        rnd = getattr(self.handler, "round", None)
+        number = rnd.round if rnd is not None else self._rounds
+        members = tuple(rnd.participants) if rnd is not None else ()
+        ev, m = self.events, self.events.metrics
+        if self._rounds > 1:
+            lost = sorted(set(self._members) - set(members))
+            joined = sorted(set(members) - set(self._members))
+            for node in lost:
+                ev.emit("node_lost", node=node, round=number)
+            for node in joined:
+                ev.emit("node_joined", node=node, round=number)
+            cause = "node_lost" if lost else "node_joined" if joined else self._cause
+            recover = self._clock() - self._ended_at if self._ended_at is not None else None
+            ev.emit("restart", cause=cause, round=number, recover_seconds=recover)
+            if m is not None:
+                m.restart(cause, recover)
+        self._members, self._cause = members, "worker_failure"
+        ev.emit("round_formed", round=number, world_size=info.world_size, workers=world,
+                node_rank=info.rank, ranks=[base, base + self.s.nproc - 1],
+                rendezvous_seconds=took, participants=list(members))
+        assert self._group is not None
+        for w in self._group.workers:
+            ev.emit("worker_started", round=number, rank=w.spec.rank, local_rank=w.spec.local_rank,
+                    pid=w.pid)
+        if m is not None:
+            m.round(took, world)
+        ev.publish(state="running", round=number, group_rank=info.rank, local_workers=self.s.nproc,
+                   ranks=[base, base + self.s.nproc - 1], formed_at=formed_at,
+                   rendezvous_seconds=took, world_size=world)
+
+    def _worker_exited(self, worker: Any) -> None:
+        code = worker.exit_code
+        self.events.emit("worker_exited", rank=worker.spec.rank, pid=worker.pid, exit_code=code,
+                         how=signal_name(code) if code is not None else None)
+        if self.events.metrics is not None and code is not None:
+            self.events.metrics.worker_exit(signal_name(code) if code < 0 else str(code))
+
+    def _publish_failure(self) -> None:
+        if not self._failures:
+            return
+        f = min(self._failures, key=lambda x: x.when)
+        self.events.publish(
+            state="failed",
+            failure={"rank": f.rank, "local_rank": f.local_rank, "host": f.host, "pid": f.pid,
+                     "exit_code": f.exit_code, "how": f.how, "when": f.when,
+                     "message": f.message, "error_file": f.error_file})
+
+    def _stopped_by_operator(self) -> bool:
+        reason = getattr(self.handler, "closed_reason", None)
+        try:
+            return reason is not None and reason() == "stopped by operator"
+        except Exception:
+            return False
+
+    def _operator_stop(self) -> int:
+        say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")
+        self._stop_group(signal.SIGTERM)
+        self.events.emit("stop", reason="stopped by operator")
+        self.events.publish(state="stopped by operator")
+        say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host}: stopped by operator")
+        return 0
 
     def _close_rendezvous(self) -> None:
         try:
