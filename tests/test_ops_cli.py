@@ -43,3 +43,26 @@ def test_plain_status_still_prints_server_counters() -> None:
         out = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--addr",
                               server.address], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "keys " in out.stdout
+
+
+def test_metrics_exports_server_counters() -> None:
+    import os
+    import signal
+    import urllib.request
+
+    port = free_port("127.0.0.1")
+    with StoreServer("127.0.0.2", 0) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "elasticstore.cli", "metrics", "--addr",
+                                 server.address, "--metrics-port", str(port)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert proc.stdout is not None and "/metrics" in proc.stdout.readline()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            assert "elasticstore_server_up 1.0" in text
+            assert "elasticstore_server_keys " in text and "elasticstore_server_connections " in text
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(30) == 0
+            if proc.stdout is not None:
+                proc.stdout.close()

@@ -3,6 +3,7 @@
     elasticstore server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
     elasticstore get KEY | set KEY VALUE | ls [PREFIX] | status   [--addr HOST:PORT]
     elasticstore status --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--json|--watch]
+    elasticstore metrics --metrics-port P [--metrics-addr A] [--addr HOST:PORT]
     elasticstore stop --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--timeout S]
 
 ``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
@@ -111,7 +112,25 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=float, default=2.0, help="--watch: seconds")
     sub.add_parser("stop", parents=[client, job],
                    help="stop a job: close its rendezvous; every agent stops its workers")
+    metrics = sub.add_parser("metrics", parents=[client],
+                             help="serve a store server's counters as Prometheus text")
+    metrics.add_argument("--metrics-port", type=_port, required=True)
+    metrics.add_argument("--metrics-addr", default="127.0.0.1", help="numeric address to bind")
     return parser
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from .ops.exporter import serve_server_metrics
+
+    host, port = args.addr
+    serve_server_metrics(host, port, args.metrics_port, args.metrics_addr, args.timeout)
+    print(f"elasticstore metrics of {host}:{port} on http://{args.metrics_addr}:"
+          f"{args.metrics_port}/metrics", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    return 0
 
 
 def _job(args: argparse.Namespace) -> int:
@@ -206,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "server":
             return _serve(args)
+        if args.command == "metrics":
+            return _metrics(args)
         if args.command == "stop" or (args.command == "status" and (args.rdzv_id or args.json or args.watch)):
             return _job(args)
         return _client(args)

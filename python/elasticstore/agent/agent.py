@@ -400,7 +400,11 @@ class Agent:
         group, self._group = self._group, None
         if group is not None:
             t0 = self._clock()
+            running = group.running()
             group.stop(self.s.shutdown_timeout, sig)
+            for worker in running:
+                if worker.exit_code is not None:
+                    self._worker_exited(worker, stopped=True)
             if self._clock() - t0 > 1.0:
                 say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
                     f"({group.describe()})")
@@ -439,12 +443,13 @@ class Agent:
                    ranks=[base, base + self.s.nproc - 1], formed_at=formed_at,
                    rendezvous_seconds=took, world_size=world)
 
-    def _worker_exited(self, worker: Any) -> None:
+    def _worker_exited(self, worker: Any, stopped: bool = False) -> None:
+        """One event (and metric) per worker exit; ``stopped``: the agent stopped it."""
         code = worker.exit_code
         self.events.emit("worker_exited", rank=worker.spec.rank, pid=worker.pid, exit_code=code,
-                         how=signal_name(code) if code is not None else None)
+                         how=signal_name(code) if code is not None else None, stopped=stopped)
         if self.events.metrics is not None and code is not None:
-            self.events.metrics.worker_exit(signal_name(code) if code < 0 else str(code))
+            self.events.metrics.worker_exit(str(code) if code >= 0 else signal_name(code).split()[-1])
 
     def _publish_failure(self) -> None:
         if not self._failures:
