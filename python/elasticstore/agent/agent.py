@@ -71,12 +71,10 @@ class Agent:
         self._rounds = 0
         self._failures: list[Failure] = []
         self._shut = False
-        self._members: tuple[str, ...] = ()
-        self._ended_at: float | None = None  # when the last round ended here (time to recover)
-        self._cause = "worker_failure"
+        self._operator_stopped = False
         self.events = EventLog(
             os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
-            settings.host, handler, metrics)
+            settings.host, handler, metrics, self.s.nproc, clock)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -89,6 +87,7 @@ class Agent:
         old_fd = signal.set_wakeup_fd(sig_w.fileno())
         start = self._clock()
         self._server = self._server_factory(self.s.warm)
+        code = 1
         try:
             code = self._loop()
         except Exception as exc:
@@ -100,15 +99,16 @@ class Agent:
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
+            if not self._shut:  # the last status while the rendezvous store is still ours
+                self.events.publish(state=self._verdict(code))
             self._shutdown_handler()
             signal.set_wakeup_fd(old_fd)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             sig_w.close()
             self._sig_r.close()
-            self.events.publish(state="succeeded" if code == 0 else f"exited {code}")
             self.events.close()
-        verdict = "succeeded" if code == 0 else f"failed (exit code {code})"
+        verdict = self._verdict(code)
         say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
             f"round(s), {self._failures_used}/{self.s.max_restarts} restart(s) after failures, "
             f"{self._clock() - start:.1f}s")
@@ -125,9 +125,12 @@ class Agent:
             t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)
             self._say_round(info, base, world, t1 - t0, self._clock() - t1)
-            self._round_formed(info, base, world, t1 - t0, formed_at)
+            assert self._group is not None
+            self.events.round_formed(getattr(self.handler, "round", None), self._rounds, info.rank,
+                                     info.world_size, (base, base + self.s.nproc - 1), world,
+                                     t1 - t0, formed_at, self._group.workers)
             outcome, detail = self._watch(info, attempt)
-            self._ended_at = self._clock()
+            self.events.round_ended()
             if outcome != _SUCCEEDED and self._stopped_by_operator():
                 return self._operator_stop()
             if outcome == _SUCCEEDED:
@@ -290,7 +293,7 @@ class Agent:
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
                         self._group.collect(worker, sel)
-                        self._worker_exited(worker)
+                        self.events.worker_exited(worker)
                         if worker.exit_code != 0:
                             return self._failed(
                                 f"rank {worker.spec.rank} (pid {worker.pid}) failed with "
@@ -317,7 +320,7 @@ class Agent:
             assert self._group is not None
             self._failures = [failure_of(w, self.s.host) for w in self._group.workers
                               if w.exit_code not in (None, 0)]
-            self._publish_failure()
+            self.events.failure(self._failures)
         return _FAILED, what
 
     def _num_waiting(self) -> int:
@@ -345,6 +348,7 @@ class Agent:
         """Marks this node done (before it leaves, so the others never take its leaving for a
         lost node); a store host serves until every other node is done and has left."""
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
+        self.events.publish(state="succeeded")
         prefix = f"elasticstore/agent/{attempt}/"
         hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
         try:
@@ -404,62 +408,17 @@ class Agent:
             group.stop(self.s.shutdown_timeout, sig)
             for worker in running:
                 if worker.exit_code is not None:
-                    self._worker_exited(worker, stopped=True)
+                    self.events.worker_exited(worker, stopped=True)
             if self._clock() - t0 > 1.0:
                 say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
                     f"({group.describe()})")
 
     # -- what the outside sees (events.jsonl, the status record, metrics) ----------------------
 
-    def _round_formed(self, info: RendezvousInfo, base: int, world: int, took: float,
-                      formed_at: float) -> None:
-        rnd = getattr(self.handler, "round", None)
-        number = rnd.round if rnd is not None else self._rounds
-        members = tuple(rnd.participants) if rnd is not None else ()
-        ev, m = self.events, self.events.metrics
-        if self._rounds > 1:
-            lost = sorted(set(self._members) - set(members))
-            joined = sorted(set(members) - set(self._members))
-            for node in lost:
-                ev.emit("node_lost", node=node, round=number)
-            for node in joined:
-                ev.emit("node_joined", node=node, round=number)
-            cause = "node_lost" if lost else "node_joined" if joined else self._cause
-            recover = self._clock() - self._ended_at if self._ended_at is not None else None
-            ev.emit("restart", cause=cause, round=number, recover_seconds=recover)
-            if m is not None:
-                m.restart(cause, recover)
-        self._members, self._cause = members, "worker_failure"
-        ev.emit("round_formed", round=number, world_size=info.world_size, workers=world,
-                node_rank=info.rank, ranks=[base, base + self.s.nproc - 1],
-                rendezvous_seconds=took, participants=list(members))
-        assert self._group is not None
-        for w in self._group.workers:
-            ev.emit("worker_started", round=number, rank=w.spec.rank, local_rank=w.spec.local_rank,
-                    pid=w.pid)
-        if m is not None:
-            m.round(took, world)
-        ev.publish(state="running", round=number, group_rank=info.rank, local_workers=self.s.nproc,
-                   ranks=[base, base + self.s.nproc - 1], formed_at=formed_at,
-                   rendezvous_seconds=took, world_size=world)
-
-    def _worker_exited(self, worker: Any, stopped: bool = False) -> None:
-        """One event (and metric) per worker exit; ``stopped``: the agent stopped it."""
-        code = worker.exit_code
-        self.events.emit("worker_exited", rank=worker.spec.rank, pid=worker.pid, exit_code=code,
-                         how=signal_name(code) if code is not None else None, stopped=stopped)
-        if self.events.metrics is not None and code is not None:
-            self.events.metrics.worker_exit(str(code) if code >= 0 else signal_name(code).split()[-1])
-
-    def _publish_failure(self) -> None:
-        if not self._failures:
-            return
-        f = min(self._failures, key=lambda x: x.when)
-        self.events.publish(
-            state="failed",
-            failure={"rank": f.rank, "local_rank": f.local_rank, "host": f.host, "pid": f.pid,
-                     "exit_code": f.exit_code, "how": f.how, "when": f.when,
-                     "message": f.message, "error_file": f.error_file})
+    def _verdict(self, code: int) -> str:
+        if self._operator_stopped:
+            return "stopped by operator"
+        return "succeeded" if code == 0 else f"failed (exit code {code})"
 
     def _stopped_by_operator(self) -> bool:
         reason = getattr(self.handler, "closed_reason", None)
@@ -470,10 +429,10 @@ class Agent:
 
     def _operator_stop(self) -> int:
         say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")
+        self._operator_stopped = True
         self._stop_group(signal.SIGTERM)
         self.events.emit("stop", reason="stopped by operator")
         self.events.publish(state="stopped by operator")
-        say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host}: stopped by operator")
         return 0
 
     def _close_rendezvous(self) -> None:

@@ -15,9 +15,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .logs import say
+from .workers import Worker, signal_name
 
 __all__ = ["EventLog", "TorchEventHandler"]
 
@@ -26,9 +28,13 @@ class EventLog:
     """Appends events (one ``write`` per line, ``O_APPEND``: agents sharing a log dir never
     interleave mid-line) and publishes the node's status through the handler."""
 
-    def __init__(self, path: str | None, host: str, handler: Any, metrics: Any = None) -> None:
+    def __init__(self, path: str | None, host: str, handler: Any, metrics: Any = None,
+                 nproc: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self._fd: int | None = None
         self._host, self._handler, self.metrics = host, handler, metrics
+        self._nproc, self._clock = nproc, clock
+        self._members: tuple[str, ...] = ()
+        self._ended_at: float | None = None  # when the last round ended here (time to recover)
         self._lock = threading.Lock()
         self._warned = False
         self.status: dict[str, Any] = {"host": host, "state": "starting", "failure_restarts": 0}
@@ -57,6 +63,62 @@ class EventLog:
             publish(dict(self.status), failure)
         except Exception as exc:
             self._warn(f"could not publish the status: {exc}")
+
+    # -- the agent's steps ------------------------------------------------------------------------
+
+    def round_formed(self, rnd: Any, rounds: int, node_rank: int, nodes: int, ranks: tuple[int, int],
+                     world: int, took: float, formed_at: float, workers: Sequence[Worker]) -> None:
+        """A round formed here (``rnd``: the handler's round record, None for other handlers) and
+        its workers started; from the second round on, also the restart and its cause: a node of
+        the previous round missing (node_lost), a new one (node_joined), else worker_failure."""
+        number = rnd.round if rnd is not None else rounds
+        members = tuple(rnd.participants) if rnd is not None else ()
+        if rounds > 1:
+            lost = sorted(set(self._members) - set(members))
+            joined = sorted(set(members) - set(self._members))
+            for node in lost:
+                self.emit("node_lost", node=node, round=number)
+            for node in joined:
+                self.emit("node_joined", node=node, round=number)
+            cause = "node_lost" if lost else "node_joined" if joined else "worker_failure"
+            recover = self._clock() - self._ended_at if self._ended_at is not None else None
+            self.emit("restart", cause=cause, round=number, recover_seconds=recover)
+            if self.metrics is not None:
+                self.metrics.restart(cause, recover)
+        self._members = members
+        self.emit("round_formed", round=number, world_size=nodes, workers=world,
+                  node_rank=node_rank, ranks=list(ranks), rendezvous_seconds=took,
+                  participants=list(members))
+        for w in workers:
+            self.emit("worker_started", round=number, rank=w.spec.rank,
+                      local_rank=w.spec.local_rank, pid=w.pid)
+        if self.metrics is not None:
+            self.metrics.round(took, world)
+        self.publish(state="running", round=number, group_rank=node_rank,
+                     local_workers=self._nproc, ranks=list(ranks), formed_at=formed_at,
+                     rendezvous_seconds=took, world_size=world)
+
+    def round_ended(self) -> None:
+        self._ended_at = self._clock()
+
+    def worker_exited(self, worker: Worker, stopped: bool = False) -> None:
+        """One event (and metric) per worker exit; ``stopped``: the agent stopped it."""
+        code = worker.exit_code
+        self.emit("worker_exited", rank=worker.spec.rank, pid=worker.pid, exit_code=code,
+                  how=signal_name(code) if code is not None else None, stopped=stopped)
+        if self.metrics is not None and code is not None:
+            self.metrics.worker_exit(str(code) if code >= 0 else signal_name(code).split()[-1])
+
+    def failure(self, failures: Sequence[Any]) -> None:
+        """Publishes the root cause (the first failure by time) as the job's last failure."""
+        if not failures:
+            return
+        f = min(failures, key=lambda x: x.when)
+        self.publish(
+            state="failed",
+            failure={"rank": f.rank, "local_rank": f.local_rank, "host": f.host, "pid": f.pid,
+                     "exit_code": f.exit_code, "how": f.how, "when": f.when,
+                     "message": f.message, "error_file": f.error_file})
 
     def _warn(self, what: str) -> None:
         if not self._warned:
