@@ -45,7 +45,7 @@ def connect(addr: JobAddress) -> Any:
     if addr.backend in ("etcd", "elasticstore-etcd"):
         from ..etcd_store import EtcdStore
 
-        return EtcdStore(addr.endpoint, prefix=addr.etcd_prefix, timeout=wait,
+        return EtcdStore(addr.endpoint, prefix=addr.etcd_prefix, timeout=wait, connect_timeout=wait,
                          ca_cert=addr.cacert, cert=addr.cert, key=addr.key, user=addr.user,
                          password=addr.password)
     from ..store import Store
