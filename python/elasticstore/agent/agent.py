@@ -72,6 +72,7 @@ class Agent:
         self._failures: list[Failure] = []
         self._shut = False
         self._operator_stopped = False
+        self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
             os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
             settings.host, handler, metrics, self.s.nproc, clock)
@@ -99,7 +100,9 @@ class Agent:
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
-            if not self._shut:  # the last status while the rendezvous store is still ours
+            # The last status while the rendezvous connection is still ours (and no rendezvous
+            # thread, interrupted by a signal, still uses it).
+            if not self._shut and not (self._rdzv_thread and self._rdzv_thread.is_alive()):
                 self.events.publish(state=self._verdict(code))
             self._shutdown_handler()
             signal.set_wakeup_fd(old_fd)
@@ -170,6 +173,7 @@ class Agent:
                 done_w.send(b"x")
 
         thread = threading.Thread(target=target, name="rendezvous", daemon=True)
+        self._rdzv_thread = thread
         thread.start()
         try:
             with selectors.DefaultSelector() as sel:
