@@ -134,7 +134,7 @@ class Agent:
                                      t1 - t0, formed_at, self._group.workers)
             outcome, detail = self._watch(info, attempt)
             self.events.round_ended()
-            if outcome != _SUCCEEDED and self._stopped_by_operator():
+            if outcome in (_FAILED, _ROUND) and self._stopped_by_operator():
                 return self._operator_stop()
             if outcome == _SUCCEEDED:
                 self._finish(info, attempt)
