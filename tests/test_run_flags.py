@@ -82,7 +82,7 @@ def test_start_methods_and_output_flags() -> None:
         (["--numa-binding", "node", "t.py"], "--numa-binding"),
         (["--virtual-local-rank", "t.py"], "--virtual-local-rank"),
         (["--duplicate_stdout_filters", "a", "t.py"], "--duplicate_stdout_filters"),
-        (["--event-log-handler", "console", "t.py"], "--event-log-handler"),
+        (["--event-log-handler", "bogus", "t.py"], "--event-log-handler"),
     ],
 )
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:

@@ -4,6 +4,9 @@
                         [--token-file PATH] [--allow-unauthenticated-from CIDR]...
     elasticstore get KEY | set KEY VALUE | ls [PREFIX] | status   [--addr HOST:PORT]
                                                                [--token-file PATH]
+    elasticstore status --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--json|--watch]
+    elasticstore metrics --metrics-port P [--metrics-addr A] [--addr HOST:PORT]
+    elasticstore stop --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--timeout S]
 
 ``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
 until SIGINT or SIGTERM. The client commands talk to ``--addr`` (default: ``$ELASTICSTORE_ADDR``,
@@ -14,6 +17,7 @@ named by ``$ELASTICSTORE_TOKEN_FILE``, else ``$ELASTICSTORE_TOKEN``, else none.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -131,8 +135,77 @@ def _parser() -> argparse.ArgumentParser:
     put.add_argument("value")
     ls = sub.add_parser("ls", parents=[client], help="list keys under a prefix")
     ls.add_argument("prefix", nargs="?", default="")
-    sub.add_parser("status", parents=[client], help="print the server's counters")
+    job = argparse.ArgumentParser(add_help=False)
+    job.add_argument("--rdzv-id", "--rdzv_id", default=None, help="the job's run id")
+    job.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                     help="the rendezvous store (default: --addr); etcd: comma-separated members")
+    job.add_argument("--rdzv-backend", "--rdzv_backend", default="elasticstore",
+                     choices=("elasticstore", "c10d", "etcd", "elasticstore-etcd"))
+    job.add_argument("--etcd-prefix", default="/elasticstore/rdzv", help="etcd: key prefix")
+    for flag in ("--cacert", "--cert", "--key", "--user", "--password"):
+        job.add_argument(flag, default=None, help="etcd: TLS / authentication")
+    status = sub.add_parser("status", parents=[client, job],
+                            help="the server's counters, or a job's state with --rdzv-id")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--interval", type=float, default=2.0, help="--watch: seconds")
+    sub.add_parser("stop", parents=[client, job],
+                   help="stop a job: close its rendezvous; every agent stops its workers")
+    metrics = sub.add_parser("metrics", parents=[client],
+                             help="serve a store server's counters as Prometheus text")
+    metrics.add_argument("--metrics-port", type=_port, required=True)
+    metrics.add_argument("--metrics-addr", default="127.0.0.1", help="numeric address to bind")
     return parser
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from .ops.exporter import serve_server_metrics
+
+    host, port = args.addr
+    serve_server_metrics(host, port, args.metrics_port, args.metrics_addr, args.timeout)
+    print(f"elasticstore metrics of {host}:{port} on http://{args.metrics_addr}:"
+          f"{args.metrics_port}/metrics", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    return 0
+
+
+def _job(args: argparse.Namespace) -> int:
+    from .ops import JobAddress, job_status, render, stop_job
+
+    if not args.rdzv_id:
+        print(f"elasticstore: {args.command}: --rdzv-id is required", file=sys.stderr)
+        return 1
+    host, port = args.addr
+    endpoint = args.rdzv_endpoint or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    addr = JobAddress(endpoint, args.rdzv_id, "etcd" if "etcd" in args.rdzv_backend else "elasticstore",
+                      args.timeout, args.etcd_prefix, args.cacert, args.cert, args.key, args.user,
+                      args.password)
+    if args.command == "stop":
+        rnd = stop_job(addr)
+        print(f"job {args.rdzv_id}: stopped by operator"
+              + (f" (round {rnd.round}, {rnd.world_size} node(s))" if rnd else ""), flush=True)
+        return 0
+    if args.json:
+        print(json.dumps(job_status(addr), sort_keys=True), flush=True)
+        return 0
+    if not args.watch:
+        print(render(job_status(addr)), flush=True)
+        return 0
+    import time
+
+    try:
+        for _ in range(1 << 40):
+            text = render(job_status(addr))
+            if sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print(text + "\n", flush=True)
+            time.sleep(max(args.interval, 0.1))
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -192,7 +265,13 @@ def _client(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _serve(args) if args.command == "server" else _client(args)
+        if args.command == "server":
+            return _serve(args)
+        if args.command == "metrics":
+            return _metrics(args)
+        if args.command == "stop" or (args.command == "status" and (args.rdzv_id or args.json or args.watch)):
+            return _job(args)
+        return _client(args)
     except OSError as exc:  # bind/listen failures: OSError(errno, message) without "[Errno N]"
         print(f"elasticstore: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -103,7 +103,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
         "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
         "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
         "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
-        "--event-log-handler": "null",
+        "--event-log-handler": "null", "--metrics-port": None, "--metrics-addr": "127.0.0.1",
     }
     for flag, default in value.items():
         p.add_argument(*_names(flag), action=_Env, default=default)
@@ -211,8 +211,14 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
                          "static (c10d and etcd-v2 are accepted too)")
     if backend_arg in NOTICES:
         notices.append(NOTICES[backend_arg])
-    if args.event_log_handler != "null":
-        raise UsageError("--event-log-handler", "only 'null' is supported by elasticstore-run")
+    event_log_handler = str(args.event_log_handler)
+    if event_log_handler not in ("null", "console", "dynamic_rendezvous"):
+        raise UsageError("--event-log-handler", f"{event_log_handler!r}: expected one of torch's "
+                         "null, console, dynamic_rendezvous (torch's events for it also go to "
+                         "<log-dir>/<run_id>/events.jsonl)")
+    metrics_port = _int("--metrics-port", args.metrics_port, 0) if args.metrics_port is not None else None
+    if metrics_port is not None and metrics_port > 65535:
+        raise UsageError("--metrics-port", f"{metrics_port} is not a port number")
     if args.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
     backend = BACKENDS[backend_arg]
@@ -273,6 +279,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
         signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,
+        event_log_handler=event_log_handler, metrics_port=metrics_port,
+        metrics_addr=str(args.metrics_addr),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf, tuple(notices))
 
@@ -306,7 +314,26 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
     except Exception as exc:
         print(f"[{prog}] rendezvous: {exc}", file=sys.stderr, flush=True)
         return 1
-    return Agent(a, handler).run()
+    metrics = None
+    if a.metrics_port is not None:
+        from .agent.metrics import AgentMetrics
+
+        try:
+            metrics = AgentMetrics(a.metrics_port, a.metrics_addr)
+        except (RuntimeError, OSError) as exc:
+            print(f"[{prog}] --metrics-port: {exc}", file=sys.stderr, flush=True)
+            handler.shutdown()
+            return 1
+    agent = Agent(a, handler, metrics=metrics)
+    if a.event_log_handler != "null":
+        from .agent.events import route_torch_events
+
+        route_torch_events(agent.events, a.event_log_handler)
+    try:
+        return agent.run()
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 def main(argv: Sequence[str] | None = None, legacy: bool = False, prog: str = "elasticstore-run") -> int:

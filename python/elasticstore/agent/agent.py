@@ -12,6 +12,10 @@ from the fork server), the round must be replaced (a thread blocked in the handl
 - Every worker succeeded: exit at once; an agent hosting a store first serves until every
   participant finished (at most ``drain_timeout``, and it says so).
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
+- The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
+  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0.
+
+Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from ..store import Store
 from .config import AgentSettings
 from .envs import worker_env
+from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
 from .logs import LogRelay, Std, console_for, say
@@ -52,6 +57,7 @@ class Agent:
         handler: RendezvousHandler,
         server_factory: Callable[[bool], ForkServer] = ForkServer,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Any = None,
     ) -> None:
         self.s = settings
         self.handler = handler
@@ -65,6 +71,11 @@ class Agent:
         self._rounds = 0
         self._failures: list[Failure] = []
         self._shut = False
+        self._operator_stopped = False
+        self._rdzv_thread: threading.Thread | None = None
+        self.events = EventLog(
+            os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
+            settings.host, handler, metrics, self.s.nproc, clock)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -77,21 +88,30 @@ class Agent:
         old_fd = signal.set_wakeup_fd(sig_w.fileno())
         start = self._clock()
         self._server = self._server_factory(self.s.warm)
+        code = 1
         try:
             code = self._loop()
         except Exception as exc:
-            say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
-            code = 1
+            if self._stopped_by_operator():
+                code = self._operator_stop()
+            else:
+                say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
+                code = 1
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
+            # The last status while the rendezvous connection is still ours (and no rendezvous
+            # thread, interrupted by a signal, still uses it).
+            if not self._shut and not (self._rdzv_thread and self._rdzv_thread.is_alive()):
+                self.events.publish(state=self._verdict(code))
             self._shutdown_handler()
             signal.set_wakeup_fd(old_fd)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             sig_w.close()
             self._sig_r.close()
-        verdict = "succeeded" if code == 0 else f"failed (exit code {code})"
+            self.events.close()
+        verdict = self._verdict(code)
         say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
             f"round(s), {self._failures_used}/{self.s.max_restarts} restart(s) after failures, "
             f"{self._clock() - start:.1f}s")
@@ -105,15 +125,23 @@ class Agent:
                 return 128 + info
             self._rounds += 1
             attempt, base, world = self._assign(info)
-            t1 = self._clock()
+            t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)
             self._say_round(info, base, world, t1 - t0, self._clock() - t1)
+            assert self._group is not None
+            self.events.round_formed(getattr(self.handler, "round", None), self._rounds, info.rank,
+                                     info.world_size, (base, base + self.s.nproc - 1), world,
+                                     t1 - t0, formed_at, self._group.workers)
             outcome, detail = self._watch(info, attempt)
+            self.events.round_ended()
+            if outcome in (_FAILED, _ROUND) and self._stopped_by_operator():
+                return self._operator_stop()
             if outcome == _SUCCEEDED:
                 self._finish(info, attempt)
                 return 0
             if outcome == _SIGNAL:
                 say(f"[elasticstore-run] got {signal.Signals(detail).name}: stopping the workers")
+                self.events.emit("stop", reason=f"signal {signal.Signals(detail).name}")
                 self._stop_group(detail)
                 return 128 + detail
             self._stop_group(signal.SIGTERM)
@@ -123,6 +151,7 @@ class Agent:
                     self._close_rendezvous()
                     return 1
                 self._failures_used += 1
+                self.events.publish(failure_restarts=self._failures_used)
                 say(f"[elasticstore-run] {detail}; restart {self._failures_used}/{self.s.max_restarts}")
             else:
                 say(f"[elasticstore-run] {detail}: new round (no restart spent)")
@@ -144,6 +173,7 @@ class Agent:
                 done_w.send(b"x")
 
         thread = threading.Thread(target=target, name="rendezvous", daemon=True)
+        self._rdzv_thread = thread
         thread.start()
         try:
             with selectors.DefaultSelector() as sel:
@@ -267,6 +297,7 @@ class Agent:
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
                         self._group.collect(worker, sel)
+                        self.events.worker_exited(worker)
                         if worker.exit_code != 0:
                             return self._failed(
                                 f"rank {worker.spec.rank} (pid {worker.pid}) failed with "
@@ -293,6 +324,7 @@ class Agent:
             assert self._group is not None
             self._failures = [failure_of(w, self.s.host) for w in self._group.workers
                               if w.exit_code not in (None, 0)]
+            self.events.failure(self._failures)
         return _FAILED, what
 
     def _num_waiting(self) -> int:
@@ -320,6 +352,7 @@ class Agent:
         """Marks this node done (before it leaves, so the others never take its leaving for a
         lost node); a store host serves until every other node is done and has left."""
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
+        self.events.publish(state="succeeded")
         prefix = f"elasticstore/agent/{attempt}/"
         hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
         try:
@@ -375,10 +408,36 @@ class Agent:
         group, self._group = self._group, None
         if group is not None:
             t0 = self._clock()
+            running = group.running()
             group.stop(self.s.shutdown_timeout, sig)
+            for worker in running:
+                if worker.exit_code is not None:
+                    self.events.worker_exited(worker, stopped=True)
             if self._clock() - t0 > 1.0:
                 say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
                     f"({group.describe()})")
+
+    # -- what the outside sees (events.jsonl, the status record, metrics) ----------------------
+
+    def _verdict(self, code: int) -> str:
+        if self._operator_stopped:
+            return "stopped by operator"
+        return "succeeded" if code == 0 else f"failed (exit code {code})"
+
+    def _stopped_by_operator(self) -> bool:
+        reason = getattr(self.handler, "closed_reason", None)
+        try:
+            return reason is not None and reason() == "stopped by operator"
+        except Exception:
+            return False
+
+    def _operator_stop(self) -> int:
+        say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")
+        self._operator_stopped = True
+        self._stop_group(signal.SIGTERM)
+        self.events.emit("stop", reason="stopped by operator")
+        self.events.publish(state="stopped by operator")
+        return 0
 
     def _close_rendezvous(self) -> None:
         try:

@@ -31,6 +31,9 @@ class AgentSettings:
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. OMP_NUM_THREADS chosen by the launcher
     legacy_local_rank_arg: bool = False  # launch.py without --use-env: --local-rank=N
     drain_timeout: float = DRAIN_TIMEOUT
+    event_log_handler: str = "null"  # torch's events destination routed into events.jsonl
+    metrics_port: int | None = None  # Prometheus text on metrics_addr:metrics_port
+    metrics_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

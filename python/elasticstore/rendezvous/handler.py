@@ -152,7 +152,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         with self._guard():
             self._leave_round()
             if self.is_closed():
-                raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} is closed")
+                reason = self.closed_reason()
+                raise RendezvousClosedError(
+                    f"rendezvous {self._settings.run_id!r} is closed" + (f": {reason}" if reason else ""))
             if self._heartbeat is not None:
                 self._heartbeat.beat()  # back at once after a silence that got it deleted
             else:
@@ -185,6 +187,28 @@ class ElasticRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         with self._guard():
             self._backend.set(self._keys.closed, b"1")
+
+    def closed_reason(self) -> str | None:
+        """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
+        None when it is open or closed without a reason."""
+        with self._guard():
+            data = self._backend.get(self._keys.closed)
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return None
+        return str(obj["reason"]) if isinstance(obj, dict) and "reason" in obj else None
+
+    def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
+        """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
+        failure when given. Outside the decider's prefix: no events for it."""
+        with self._guard():
+            data = dict(status, node=self._node, addr=self._addr, updated=time.time())
+            self._backend.set(self._keys.status_nodes + self._node, json.dumps(data))
+            if failure is not None:
+                self._backend.set(self._keys.failure, json.dumps(dict(failure, node=self._node)))
 
     def num_nodes_waiting(self) -> int:
         """Positive as soon as the current round must be replaced: a participant was lost

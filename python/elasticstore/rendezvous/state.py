@@ -8,7 +8,12 @@ Keys of run ``R`` (relative to the backend's store)::
     rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten)
     rdzv/R/ctl/restart/{T}    round T must be replaced (a participant was lost, a node waits)
     rdzv/R/ctl/boot/{T}       "addr:port" of round T's worker store (hosted by its rank 0)
-    rdzv/R/ctl/closed         the job is closed
+    rdzv/R/ctl/closed         the job is closed (JSON ``{"reason": ...}``, or ``1``)
+    status/R/node/{node}      an agent's status (JSON), for ``elasticstore status``
+    status/R/failure          the last failure's root cause (JSON)
+
+Status keys live outside ``rdzv/R/``: the decider watches that prefix, and status writes must not
+cost it events.
 
 Waiting nodes watch ``ctl/`` only: O(1) events per node per round.
 """
@@ -115,6 +120,9 @@ class Keys:
         self.ctl = self.base + "ctl/"
         self.round = self.ctl + "round"
         self.closed = self.ctl + "closed"
+        self.status_prefix = f"status/{run_id}/"
+        self.status_nodes = self.status_prefix + "node/"
+        self.failure = self.status_prefix + "failure"
 
     def alive(self, node: str) -> str:
         return self.alive_prefix + node

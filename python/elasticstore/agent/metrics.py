@@ -1,0 +1,68 @@
+"""Prometheus metrics of one agent (``elasticstore-run --metrics-port``), through
+``prometheus-client`` (the ``metrics`` extra), on a registry of its own.
+
+=========================================== ========= ==========================================
+name                                        type      meaning
+=========================================== ========= ==========================================
+elasticstore_rounds_total                   counter   rounds this agent took part in
+elasticstore_rendezvous_duration_seconds    histogram join to ranks, per round
+elasticstore_restarts_total{cause}          counter   new rounds after the first, by cause
+                                                      (worker_failure, node_lost, node_joined)
+elasticstore_worker_exits_total{code}       counter   worker exits by exit code or signal name
+elasticstore_recovery_seconds               histogram end of a round to the next round's workers
+elasticstore_world_size                     gauge     workers in the current round
+=========================================== ========= ==========================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["AgentMetrics"]
+
+_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class AgentMetrics:
+    def __init__(self, port: int, addr: str = "127.0.0.1") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise RuntimeError("--metrics-port needs prometheus-client: pip install "
+                               "'elasticstore[metrics]'") from None
+        self.registry = reg = prom.CollectorRegistry()
+        self._rounds = prom.Counter("elasticstore_rounds", "Rounds this agent took part in",
+                                    registry=reg)
+        self._rdzv = prom.Histogram("elasticstore_rendezvous_duration_seconds",
+                                    "Rendezvous: join to ranks", buckets=_BUCKETS, registry=reg)
+        self._restarts = prom.Counter("elasticstore_restarts", "New rounds after the first",
+                                      ["cause"], registry=reg)
+        self._exits = prom.Counter("elasticstore_worker_exits", "Worker exits",
+                                   ["code"], registry=reg)
+        self._recover = prom.Histogram("elasticstore_recovery_seconds",
+                                       "End of a round to the next round's workers started",
+                                       buckets=_BUCKETS, registry=reg)
+        self._world = prom.Gauge("elasticstore_world_size", "Workers in the current round",
+                                 registry=reg)
+        for cause in ("worker_failure", "node_lost", "node_joined"):
+            self._restarts.labels(cause)
+        self._server: Any = prom.start_http_server(port, addr=addr, registry=reg)
+
+    def round(self, rendezvous_seconds: float, world_size: int) -> None:
+        self._rounds.inc()
+        self._rdzv.observe(rendezvous_seconds)
+        self._world.set(world_size)
+
+    def restart(self, cause: str, recover_seconds: float | None) -> None:
+        self._restarts.labels(cause).inc()
+        if recover_seconds is not None:
+            self._recover.observe(recover_seconds)
+
+    def worker_exit(self, code: str) -> None:
+        self._exits.labels(code).inc()
+
+    def close(self) -> None:
+        server = self._server
+        if isinstance(server, tuple):  # prometheus-client >= 0.17: (server, thread)
+            server[0].shutdown()
+            server[0].server_close()

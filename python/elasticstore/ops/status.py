@@ -1,0 +1,133 @@
+"""``elasticstore status`` for a job: one read of its rendezvous keys and its agents' status
+records, rendered as one JSON object or a plain table. Reads only.
+
+The object (``--json``)::
+
+    {"run_id", "endpoint", "backend", "closed": reason | null,
+     "round": {"number", "world_size", "formed_at", "rendezvous_seconds"} | null,
+     "members": [{"node", "addr", "group_rank", "local_workers", "state", "round", ...}],
+     "standby": [node], "waiting": [node], "restarts": int, "failure_restarts": int,
+     "last_failure": {"rank", "host", "exit_code", "signal", "message", ...} | null,
+     "store": {counter: value} | {"error": ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from ..rendezvous.state import Keys
+from .control import JobAddress, JobNotFound, connect, exists, read_round
+
+__all__ = ["job_status", "render"]
+
+
+def _json(data: bytes | None) -> Any:
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _last(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def job_status(addr: JobAddress) -> dict[str, Any]:
+    """The job's state as one JSON-ready dict; raises ``JobNotFound`` or the store's errors."""
+    keys = Keys(addr.run_id)
+    store = connect(addr)
+    try:
+        if not exists(store, keys):
+            raise JobNotFound(f"no job {addr.run_id!r} at {addr.endpoint}")
+        rnd = read_round(store, keys)
+        closed = store.try_get(keys.closed)
+        closed_obj = _json(closed)
+        alive = sorted(_last(k) for k in store.list_keys(keys.alive_prefix))
+        status_keys = sorted(store.list_keys(keys.status_nodes))
+        records = {}
+        if status_keys:
+            for key, value in zip(status_keys, store.multi_get(status_keys)):
+                obj = _json(value)
+                if isinstance(obj, dict):
+                    records[_last(key)] = obj
+        failure = _json(store.try_get(keys.failure))
+        try:
+            health: dict[str, Any] = dict(store.stats())
+        except Exception as exc:  # EtcdStore has no server counters
+            health = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        store.close()
+    participants = list(rnd.participants) if rnd else []
+    standby = list(rnd.standby) if rnd else []
+    members = []
+    for rank, node in enumerate(participants):
+        rec = records.get(node, {})
+        members.append({
+            "node": node, "addr": rec.get("addr", node.rsplit("-", 2)[0]), "group_rank": rank,
+            "local_workers": rec.get("local_workers"), "state": rec.get("state", "unknown"),
+            "round": rec.get("round"), "alive": node in alive, "host": rec.get("host"),
+        })
+    formed = [records[n] for n in participants if n in records and rnd
+              and records[n].get("round") == rnd.round]
+    round_obj = None
+    if rnd is not None:
+        round_obj = {
+            "number": rnd.round, "world_size": rnd.world_size,
+            "formed_at": min((r.get("formed_at") or 0 for r in formed), default=None) or None,
+            "rendezvous_seconds": max((r.get("rendezvous_seconds") or 0 for r in formed),
+                                      default=None),
+            "workers": sum(int(r.get("local_workers") or 0) for r in formed) or None,
+        }
+    waiting = [n for n in alive if n not in participants and n not in standby]
+    return {
+        "run_id": addr.run_id, "endpoint": addr.endpoint, "backend": addr.backend,
+        "closed": (closed_obj.get("reason", "closed") if isinstance(closed_obj, dict)
+                   else ("closed" if closed is not None else None)),
+        "round": round_obj, "members": members, "standby": standby, "waiting": waiting,
+        "restarts": rnd.round - 1 if rnd else 0,
+        "failure_restarts": max((int(r.get("failure_restarts") or 0) for r in records.values()),
+                                default=0),
+        "last_failure": failure if isinstance(failure, dict) else None,
+        "store": health,
+    }
+
+
+def _when(stamp: Any) -> str:
+    if not isinstance(stamp, (int, float)):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f" ({time.time() - stamp:.0f}s ago)"
+
+
+def render(st: dict[str, Any]) -> str:
+    """Plain text: the round, a member table, waiting/standby, restarts, failure, store."""
+    lines = [f"job {st['run_id']} at {st['endpoint']} ({st['backend']})"
+             + (f": CLOSED ({st['closed']})" if st["closed"] else "")]
+    rnd = st["round"]
+    if rnd is None:
+        lines.append("round: none formed yet")
+    else:
+        took = rnd["rendezvous_seconds"]
+        lines.append(f"round {rnd['number']}: {rnd['world_size']} node(s), "
+                     f"{rnd['workers'] or '?'} worker(s); formed {_when(rnd['formed_at'])}"
+                     + (f", rendezvous took {took:.3f}s" if isinstance(took, (int, float)) else ""))
+    rows = [("RANK", "NODE", "ADDR", "WORKERS", "STATE")] + [
+        (str(m["group_rank"]), m["node"], m["addr"], str(m["local_workers"] or "?"),
+         m["state"] + ("" if m["alive"] else " (lost)")) for m in st["members"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(f"waiting: {', '.join(st['waiting']) or 'none'}; "
+                 f"standby: {', '.join(st['standby']) or 'none'}")
+    lines.append(f"restarts: {st['restarts']} (after failures: {st['failure_restarts']})")
+    f = st["last_failure"]
+    if f:
+        lines.append(f"last failure: rank {f.get('rank')} on {f.get('host')}: "
+                     f"{f.get('how')} (exit code {f.get('exit_code')}) at {_when(f.get('when'))}: "
+                     f"{f.get('message')}")
+    health = st["store"]
+    lines.append("store: " + (health["error"] if "error" in health else
+                              ", ".join(f"{k} {v}" for k, v in sorted(health.items()))))
+    return "\n".join(lines)
