@@ -68,6 +68,30 @@ def test_metrics_exports_server_counters() -> None:
                 proc.stdout.close()
 
 
+def test_server_command_serves_its_own_metrics() -> None:
+    """``elasticstore server --metrics-port``: the in-process server's counters, read directly."""
+    import os
+    import signal
+    import urllib.request
+
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "elasticstore.cli", "server", "--port", "0",
+                             "--metrics-port", str(port)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("elasticstore server listening on 127.0.0.1:")
+        assert f"127.0.0.1:{port}/metrics" in proc.stdout.readline()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "elasticstore_server_up 1.0" in text and "elasticstore_server_keys " in text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 def test_status_of_a_recorded_round_and_watch() -> None:
     """A round record and status records written by hand: the table, then --watch until SIGINT."""
     import json

@@ -126,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
         help="with a token, also serve torch's unauthenticated TCPStore protocol to peers in this "
         "IPv4/IPv6 range (repeatable; loopback and peers the job allows are always served)",
     )
+    server.add_argument("--metrics-port", type=_port, default=None,
+                        help="also serve the server's counters as Prometheus text on this port")
+    server.add_argument("--metrics-addr", default="127.0.0.1",
+                        help="--metrics-port: numeric address to bind (default %(default)s)")
     add_limit_flags(server)
 
     get = sub.add_parser("get", parents=[client], help="print a key's value (exit 1 when missing)")
@@ -231,7 +235,14 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     with StoreServer.from_config(config) as server:
+        if args.metrics_port is not None:
+            from .ops.exporter import serve_stats_metrics
+
+            serve_stats_metrics(server.stats, args.metrics_port, args.metrics_addr)
         print(f"elasticstore server listening on {server.address}", flush=True)
+        if args.metrics_port is not None:
+            print(f"elasticstore server metrics on http://{args.metrics_addr}:"
+                  f"{args.metrics_port}/metrics", flush=True)
         stop.wait()  # interruptible: the handler runs during the wait and sets the event
     return 0
 

@@ -6,32 +6,41 @@ server or ``elasticstore-server`` alike) as Prometheus text, read at every scrap
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["serve_server_metrics"]
+__all__ = ["serve_server_metrics", "serve_stats_metrics"]
 
 
-def _collector(host: str, port: int, timeout: float) -> Any:
-    from prometheus_client.core import GaugeMetricFamily
-
+def _remote_stats(host: str, port: int, timeout: float) -> Callable[[], dict[str, int]]:
+    """Reads a server's counters over one connection, made again after a failure."""
     from ..store import Store
 
-    class ServerCollector:
-        def __init__(self) -> None:
-            self._store: Store | None = None
+    wait = timedelta(seconds=timeout)
+    held: list[Store] = []
 
+    def stats() -> dict[str, int]:
+        try:
+            if not held:
+                held.append(Store(host, port, timeout=wait, connect_timeout=wait))
+            return held[0].stats()
+        except Exception:
+            if held:
+                held.pop().close()
+            raise
+
+    return stats
+
+
+def _collector(read_stats: Callable[[], dict[str, int]]) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    class ServerCollector:
         def collect(self) -> Iterator[GaugeMetricFamily]:
-            wait = timedelta(seconds=timeout)
             try:
-                if self._store is None:
-                    self._store = Store(host, port, timeout=wait, connect_timeout=wait)
-                stats = self._store.stats()
+                stats = read_stats()
             except Exception:
-                if self._store is not None:
-                    self._store.close()
-                self._store = None
                 yield GaugeMetricFamily("elasticstore_server_up", "The server answers", value=0)
                 return
             yield GaugeMetricFamily("elasticstore_server_up", "The server answers", value=1)
@@ -42,13 +51,20 @@ def _collector(host: str, port: int, timeout: float) -> Any:
     return ServerCollector()
 
 
-def serve_server_metrics(host: str, port: int, metrics_port: int, metrics_addr: str,
-                         timeout: float) -> Any:
-    """Starts the HTTP endpoint (a daemon thread); returns prometheus-client's server handle."""
+def serve_stats_metrics(read_stats: Callable[[], dict[str, int]], metrics_port: int,
+                        metrics_addr: str) -> Any:
+    """Serves the counters ``read_stats()`` returns at every scrape (an HTTP daemon thread);
+    returns prometheus-client's server handle."""
     try:
         import prometheus_client as prom
     except ImportError:
         raise RuntimeError("metrics need prometheus-client: pip install 'elasticstore[metrics]'") from None
     registry = prom.CollectorRegistry()
-    registry.register(_collector(host, port, timeout))
+    registry.register(_collector(read_stats))
     return prom.start_http_server(metrics_port, addr=metrics_addr, registry=registry)
+
+
+def serve_server_metrics(host: str, port: int, metrics_port: int, metrics_addr: str,
+                         timeout: float) -> Any:
+    """The counters of the server at ``host:port`` (``elasticstore metrics``)."""
+    return serve_stats_metrics(_remote_stats(host, port, timeout), metrics_port, metrics_addr)
