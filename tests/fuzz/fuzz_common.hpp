@@ -30,6 +30,7 @@ class NoStats final : public StatsSource {
 inline std::size_t drive(Codec& codec, KvState& kv, ConnId conn, const std::string& input,
                          const uint8_t* cuts, std::size_t ncuts, bool* closed) {
   NoStats stats;
+  ServerAuth auth{"", PeerAllowList(true, {})};  // no token: every opcode after HELLO
   std::string out, pending, completions;
   std::size_t handled = 0, fed = 0, cut = 0;
   *closed = false;
@@ -40,7 +41,7 @@ inline std::size_t drive(Codec& codec, KvState& kv, ConnId conn, const std::stri
     pending.append(input, fed, n);
     fed += n;
     for (;;) {
-      CommandContext ctx{kv, conn, out, stats};
+      CommandContext ctx{kv, conn, out, stats, auth};
       std::size_t consumed = 0;
       std::string reason;
       const Step s = codec.step(ctx, pending.data(), pending.size(), &consumed, &reason);

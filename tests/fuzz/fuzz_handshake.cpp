@@ -17,8 +17,12 @@ namespace {
 
 class Host final : public ConnectionHost {
  public:
-  explicit Host(KvState& kv) : kv_(kv) {}
+  // With a token, HELLO must be followed by a valid AUTH (the fuzzer cannot forge one): the
+  // connection must never reach Serving, so nothing may be stored.
+  Host(KvState& kv, bool with_token)
+      : kv_(kv), auth_{with_token ? "fuzz-token" : "", PeerAllowList(true, {})} {}
   KvState& kv() noexcept override { return kv_; }
+  ServerAuth& auth() noexcept override { return auth_; }
   void drain_ready() override {
     while (kv_.take_ready(&batch_))
       for (const Completion& c : batch_)
@@ -30,6 +34,7 @@ class Host final : public ConnectionHost {
 
  private:
   KvState& kv_;
+  ServerAuth auth_;
   std::vector<Completion> batch_;
 };
 
@@ -37,14 +42,15 @@ class Host final : public ConnectionHost {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   if (size < 1 || size > 64 * 1024) return 0;
-  const std::size_t chunk = 1 + data[0] % 32;
+  const std::size_t chunk = 1 + (data[0] & 0x7f) % 32;
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) != 0) return 0;
   StoreLimits lim;
   lim.max_stored_keys = 64;
   lim.max_stored_bytes = 64 * 1024;
   KvState kv([] { return uint64_t{0}; }, lim);
-  Host host(kv);
+  const bool with_token = (data[0] & 0x80) != 0;
+  Host host(kv, with_token);
   std::vector<char> scratch(16 * 1024);
   {
     Connection conn(sv[0], 1, "fuzz");
@@ -67,6 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
     const bool native = size >= 5 && std::memcmp(data + 1, kNativePreamble, 4) == 0;
     const bool torch = size >= 6 && std::memcmp(data + 1, kValidate, 5) == 0;
     if (!native && !torch) FUZZ_ASSERT(kv.num_keys() == 0 && kv.queue_count() == 0);
+    if (with_token && native) FUZZ_ASSERT(kv.num_keys() == 0 && kv.queue_count() == 0);
     if (!open) FUZZ_ASSERT(conn.state() == ConnState::Closing && !conn.close_reason().empty());
     host.conn = nullptr;
     kv.close_session(1);
