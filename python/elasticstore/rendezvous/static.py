@@ -56,8 +56,10 @@ class StaticRendezvousHandler(RendezvousHandler):
         if self._store is None:
             timeout = timedelta(seconds=s.join_timeout)
             if s.rank == 0:
-                self._server = StoreServer(host, s.port)
-            self._store = Store(host, s.port, timeout=timeout, connect_timeout=timeout)
+                self._server = StoreServer(host, s.port, token=s.store_token)
+            self._store = Store(
+                host, s.port, timeout=timeout, connect_timeout=timeout, token=s.store_token
+            )
         assert s.rank is not None
         return RendezvousInfo(
             self._store, s.rank, s.max_nodes, RendezvousStoreInfo(host, s.port)
