@@ -84,6 +84,30 @@ def test_two_nodes_rendezvous_and_worker_store_require_the_token(token_file: str
             h.shutdown()
 
 
+def test_static_backend_with_token_vouches_for_each_node(token_file: str) -> None:
+    port = _free_port("127.0.0.2")
+    endpoint = f"127.0.0.2:{port}"
+    handlers = [
+        get_rendezvous_handler(RendezvousParameters(
+            "elasticstore-static", endpoint, "tokjob", 2, 2, addr, rank=rank,
+            join_timeout=30, token_file=token_file))
+        for rank, addr in ((0, "127.0.0.2"), (1, "127.0.0.3"))
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        infos[0].store.set("k", "v")
+        assert infos[1].store.get("k") == b"v"
+        with pytest.raises(AuthenticationError):
+            Store("127.0.0.2", port, token="", timeout=SHORT, connect_timeout=SHORT).get("k")
+        server = handlers[0]._server  # type: ignore[attr-defined]
+        assert server is not None and server.requires_token
+        assert sorted(server.allowed_peers()) == ["127.0.0.2/32", "127.0.0.3/32"]
+    finally:
+        for h in reversed(handlers):
+            h.shutdown()
+
+
 def test_members_allowed_peers_serve_torch_clients_from_members_only() -> None:
     # The list the handler hands the server, on a server that does not treat loopback as this
     # machine, so that 127.0.0.x source addresses stand for other hosts (as tests/test_auth.py).
