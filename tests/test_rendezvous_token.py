@@ -158,8 +158,16 @@ def test_bad_token_file_refused_by_elasticstore_run(tmp_path: Path) -> None:
 
 WORKER = textwrap.dedent("""
     import os
+    from datetime import timedelta
     import torch.distributed as dist
-    from elasticstore import Store
+    from elasticstore import AuthenticationError, Store
+
+    try:  # the round's store requires the token
+        Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), token="",
+              timeout=timedelta(seconds=5)).get("x")
+        raise SystemExit("the round's store served a client without the token")
+    except AuthenticationError:
+        pass
 
     assert "ELASTICSTORE_TOKEN" not in os.environ
     assert os.environ["ELASTICSTORE_TOKEN_FILE"] == os.environ["EXPECTED_TOKEN_FILE"]
@@ -191,3 +199,46 @@ def test_elasticstore_run_workers_use_the_token_file(tmp_path: Path, token_file:
     out = proc.stdout + proc.stderr
     assert "worker 0 ok" in out and "worker 1 ok" in out
     assert TOKEN not in out
+
+
+TORCHRUN_WORKER = textwrap.dedent("""
+    import os
+    from datetime import timedelta
+    import torch.distributed as dist
+    from elasticstore import AuthenticationError, Store
+
+    try:  # the round's store requires the token
+        Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), token="",
+              timeout=timedelta(seconds=5)).get("x")
+        raise SystemExit("the round's store served a client without the token")
+    except AuthenticationError:
+        pass
+
+    rank = int(os.environ["RANK"])
+    # torchrun's agent: the workers inherit ELASTICSTORE_TOKEN_FILE from torchrun's environment.
+    with Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) as st:
+        st.set(f"tw{rank}", "ok")
+        st.wait([f"tw{1 - rank}"])
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"worker {rank} ok", flush=True)
+""")
+
+
+def test_torchrun_plugin_with_token_file(tmp_path: Path, token_file: str) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    env = dict(os.environ, ELASTICSTORE_TOKEN_FILE=token_file, OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo")
+    port = _free_port("127.0.0.1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+         "--rdzv-backend=elasticstore", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--local-addr=127.0.0.1", "--rdzv-id=tokrun", "--monitor-interval=0.1",
+         f"--rdzv-conf=token_file={token_file},last_call_timeout=0.2", str(script)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "worker 0 ok" in out and "worker 1 ok" in out
