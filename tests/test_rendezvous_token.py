@@ -79,6 +79,15 @@ def test_two_nodes_rendezvous_and_worker_store_require_the_token(token_file: str
         server = host._worker_server  # type: ignore[attr-defined]
         assert server is not None and server.requires_token
         assert sorted(server.allowed_peers()) == ["127.0.0.2/32", "127.0.0.3/32"]
+        # The operator commands reach a token-protected rendezvous with --token-file.
+        status = [sys.executable, "-m", "elasticstore.cli", "status", "--addr", endpoint,
+                  "--rdzv-id", "tokjob", "--json", "--timeout", "5"]
+        ok = subprocess.run([*status, "--token-file", token_file], capture_output=True,
+                            text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        assert "127.0.0.3" in ok.stdout
+        refused = subprocess.run(status, capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused.stderr
     finally:
         for h in reversed(handlers):
             h.shutdown()
