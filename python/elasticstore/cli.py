@@ -186,7 +186,7 @@ def _job(args: argparse.Namespace) -> int:
     endpoint = args.rdzv_endpoint or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     addr = JobAddress(endpoint, args.rdzv_id, "etcd" if "etcd" in args.rdzv_backend else "elasticstore",
                       args.timeout, args.etcd_prefix, args.cacert, args.cert, args.key, args.user,
-                      args.password)
+                      args.password, _token(args))
     if args.command == "stop":
         rnd = stop_job(addr)
         print(f"job {args.rdzv_id}: stopped by operator"

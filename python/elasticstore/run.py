@@ -181,6 +181,12 @@ def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(items)
 
 
+def _token_file(conf: tuple[tuple[str, str], ...]) -> str | None:
+    """``--rdzv-conf token_file`` as an absolute path (checked by the rendezvous settings)."""
+    path = dict(conf).get("token_file")
+    return os.path.abspath(os.path.expanduser(path)) if path else None
+
+
 def _signals(text: str) -> tuple[int, ...]:
     out = []
     for name in filter(None, (n.strip() for n in str(text).split(","))):
@@ -280,7 +286,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,
         event_log_handler=event_log_handler, metrics_port=metrics_port,
-        metrics_addr=str(args.metrics_addr),
+        metrics_addr=str(args.metrics_addr), token_file=_token_file(conf),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf, tuple(notices))
 

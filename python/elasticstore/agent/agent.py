@@ -35,6 +35,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from .._token import read_token_file
 from ..store import Store
 from .config import AgentSettings
 from .envs import worker_env
@@ -341,7 +342,9 @@ class Agent:
             return False
         prefix, quick = f"elasticstore/agent/{attempt}/done/", timedelta(seconds=0.5)
         try:
-            with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick) as st:
+            token = read_token_file(self.s.token_file) if self.s.token_file else None
+            with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick,
+                       token=token) as st:
                 return any(st.try_get(prefix + str(i)) is not None for i in range(info.world_size))
         except Exception:
             return False

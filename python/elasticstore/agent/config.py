@@ -34,6 +34,9 @@ class AgentSettings:
     event_log_handler: str = "null"  # torch's events destination routed into events.jsonl
     metrics_port: int | None = None  # Prometheus text on metrics_addr:metrics_port
     metrics_addr: str = "127.0.0.1"
+    # --rdzv-conf token_file (absolute): workers get it as ELASTICSTORE_TOKEN_FILE (the path,
+    # never the token), and the agent's own connections to the round's store use it.
+    token_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -35,4 +35,7 @@ def worker_env(s: AgentSettings, info: RendezvousInfo, use_agent_store: bool, at
         "ELASTICSTORE_PREFIX": f"/worker/attempt_{attempt}",
         "ELASTICSTORE_RUN_ID": s.run_id,
     })
+    if s.token_file is not None:
+        # The round's store requires the token: Store.from_env() reads it from this file.
+        env["ELASTICSTORE_TOKEN_FILE"] = s.token_file
     return env

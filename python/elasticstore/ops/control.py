@@ -8,7 +8,7 @@ then SIGKILL after its shutdown timeout), sees the closed rendezvous and exits 0
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +36,7 @@ class JobAddress:
     key: str | None = None
     user: str | None = None
     password: str | None = None
+    token: str | None = field(default=None, repr=False)  # native: None reads the environment
 
 
 def connect(addr: JobAddress) -> Any:
@@ -51,7 +52,7 @@ def connect(addr: JobAddress) -> Any:
     from ..store import Store
 
     host, port = parse_endpoint(addr.endpoint)
-    return Store(host.strip("[]"), port, timeout=wait, connect_timeout=wait)
+    return Store(host.strip("[]"), port, timeout=wait, connect_timeout=wait, token=addr.token)
 
 
 def read_round(store: Any, keys: Keys) -> RoundState | None:

@@ -63,6 +63,19 @@ def _local_addr(settings: RendezvousSettings) -> str:
             return "127.0.0.1"
 
 
+def _member_addrs(state: RoundState) -> list[str]:
+    """The addresses of round ``state``'s participants (from their node ids), deduplicated."""
+    addrs: list[str] = []
+    for node in state.participants:
+        try:
+            addr = NodeId.parse(node).addr
+        except ValueError:
+            continue
+        if addr not in addrs:
+            addrs.append(addr)
+    return addrs
+
+
 class RoundWatch:
     """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once."""
 
@@ -371,14 +384,20 @@ class ElasticRendezvousHandler(RendezvousHandler):
             silent = self._settings.lease_ttl if backend.needs_heartbeat else None
             self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent)
         if rank == 0:
-            self._worker_server = StoreServer(self._addr, 0)
-            boot = self._worker_server.address
+            token = self._settings.store_token
+            self._worker_server = server = StoreServer(self._addr, 0, token=token)
+            if server.requires_token:
+                # torch's TCPStore clients (the workers' MASTER_ADDR/PORT) cannot prove the
+                # token: serve the round's members' hosts (loopback always is), refuse others.
+                server.set_allowed_peers(_member_addrs(state))
+            boot = server.address
             backend.set(keys.boot(state.round), boot)
         else:
             boot = self._await_boot(state.round, deadline)
         host, port = parse_endpoint(boot)
         self._worker_store = Store(
-            host, port, timeout=timedelta(seconds=self._settings.store_timeout)
+            host, port, timeout=timedelta(seconds=self._settings.store_timeout),
+            token=self._settings.store_token,
         )
         store: TorchStore = self._worker_store
         return RendezvousInfo(

@@ -71,22 +71,23 @@ def _should_host(settings: RendezvousSettings) -> bool:
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     host = numeric_host(settings.host)
     timeout = timedelta(seconds=settings.store_timeout)
+    token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
     if _should_host(settings):
         try:
-            Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE).close()
+            Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE, token=token).close()
             log.info("a rendezvous server already answers at %s", settings.endpoint)
         except StoreNetworkError:
             try:
-                server = StoreServer(host, settings.port)
+                server = StoreServer(host, settings.port, token=token)
                 log.info("hosting the rendezvous server at %s", server.address)
             except Exception as exc:  # bound by another agent meanwhile: use that one
                 log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
     try:
         # The first connection may wait for the host agent to start (store_timeout); once in,
         # a lost server is reported within RECONNECT seconds, never a hang.
-        Store(host, settings.port, timeout=timeout, connect_timeout=timeout).close()
-        store = Store(host, settings.port, timeout=timeout, connect_timeout=RECONNECT)
+        Store(host, settings.port, timeout=timeout, connect_timeout=timeout, token=token).close()
+        store = Store(host, settings.port, timeout=timeout, connect_timeout=RECONNECT, token=token)
     except BaseException:
         if server is not None:
             server.close()

@@ -16,6 +16,9 @@ cacert / cert / key  (none)    etcd: TLS files (``ca_cert`` is accepted for ``ca
 user / password      (none)    etcd: authentication
 protocol             (auto)    etcd: ``http`` or ``https`` (torch's etcd key; https needs cacert)
 rank                 (none)    static: this node's rank (torchrun adds it from ``--node-rank``)
+token_file           (env)     native/static: file holding the shared token; the rendezvous
+                               server, every connection to it and each round's worker store use
+                               it (without the key: ``ELASTICSTORE_TOKEN_FILE``/``_TOKEN``)
 timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
 ==================== ========= ================================================================
 
@@ -26,10 +29,13 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .._token import read_token_file
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "numeric_host", "parse_endpoint", "settings_from_params"]
 
@@ -39,7 +45,7 @@ _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
 _STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
-_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout"}
+_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout", "token_file"}
 
 
 def numeric_host(host: str) -> str:
@@ -92,6 +98,19 @@ def _bool(key: str, value: Any) -> bool:
     raise ValueError(f"rdzv-conf {key}={value!r}: not a boolean (true/false, 1/0, yes/no)")
 
 
+def _token_file(value: Any) -> tuple[str, str]:
+    """(absolute path, token) of ``token_file``; refuses a missing, unreadable or empty file."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"rdzv-conf token_file={value!r}: must be a path to a token file")
+    path = os.path.abspath(os.path.expanduser(value.strip()))
+    try:
+        return path, read_token_file(path)
+    except OSError as exc:
+        raise ValueError(f"rdzv-conf token_file={value!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"rdzv-conf token_file={value!r}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class RendezvousSettings:
     """Everything the rendezvous needs, checked once (see the module doc for the keys)."""
@@ -116,6 +135,14 @@ class RendezvousSettings:
     password: str | None = None
     protocol: str | None = None
     rank: int | None = None
+    token_file: str | None = None
+    token: str | None = field(default=None, repr=False)  # read from token_file at parse time
+
+    @property
+    def store_token(self) -> str | None:
+        """The token for ``Store``/``StoreServer``: the token file's, else ``None`` (their
+        environment fallback: ``ELASTICSTORE_TOKEN_FILE``, then ``ELASTICSTORE_TOKEN``)."""
+        return self.token if self.token_file is not None else None
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -174,6 +201,8 @@ class RendezvousSettings:
                 kwargs["rank"] = int(config["rank"])
             except (TypeError, ValueError):
                 raise ValueError(f"rdzv-conf rank={config['rank']!r}: not an integer") from None
+        if config.get("token_file") is not None:
+            kwargs["token_file"], kwargs["token"] = _token_file(config["token_file"])
         if "timeout" in config:  # torchrun's; checked, not used (join_timeout is)
             _seconds("timeout", config["timeout"])
         host, port = parse_endpoint(endpoint, default_port)

@@ -18,8 +18,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
+from .._token import resolve_token
 from ..server import StoreServer
 from ..store import Store
+from .handler import _local_addr
 from .settings import RendezvousSettings, numeric_host
 
 __all__ = ["StaticRendezvousHandler"]
@@ -56,8 +58,14 @@ class StaticRendezvousHandler(RendezvousHandler):
         if self._store is None:
             timeout = timedelta(seconds=s.join_timeout)
             if s.rank == 0:
-                self._server = StoreServer(host, s.port)
-            self._store = Store(host, s.port, timeout=timeout, connect_timeout=timeout)
+                self._server = StoreServer(host, s.port, token=s.store_token)
+            self._store = Store(
+                host, s.port, timeout=timeout, connect_timeout=timeout, token=s.store_token
+            )
+            if resolve_token(s.store_token):
+                # The agents' store is the workers' (MASTER_ADDR/PORT): vouch for this node's
+                # address so its workers' torch TCPStore clients are served under the token.
+                self._store.allow_peers([_local_addr(s)])
         assert s.rank is not None
         return RendezvousInfo(
             self._store, s.rank, s.max_nodes, RendezvousStoreInfo(host, s.port)
