@@ -426,10 +426,10 @@ void ClientTransport::drop_consumed() {
 
 bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, const char* name) {
   if (rbuf_.size() < want) rbuf_.resize(std::max(want, rbuf_.size() * 2));
-  // Fast path: one blocking recv, which the socket's receive timeout cuts after kRecvSlice; the
-  // reply to a request that does not block server-side is nearly always there by then.
-  if (deadline == Clock::time_point::max() || deadline - Clock::now() >= kRecvSlice) {
-    const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, 0);
+  // One recv: true when bytes came; false when none came yet (timeout slice, EAGAIN or a signal);
+  // the peer closing or a socket error throws.
+  auto take = [&](int flags) {
+    const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, flags);
     if (n > 0) {
       rlen_ += static_cast<std::size_t>(n);
       last_used_ = Clock::now();
@@ -438,20 +438,16 @@ bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, cons
     if (n == 0) eof_while(name);
     const int err = errno;
     if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) recv_failed(name, err);
-    // No reply within a slice, or a signal: wait with poll(), which watches close() and
-    // interrupts too.
-  }
+    return false;
+  };
+  // Fast path: one blocking recv, which the socket's receive timeout cuts after kRecvSlice; the
+  // reply to a request that does not block server-side is nearly always there by then. Otherwise
+  // wait with poll(), which watches close() and interrupts too.
+  if ((deadline == Clock::time_point::max() || deadline - Clock::now() >= kRecvSlice) && take(0))
+    return true;
   for (;;) {
     if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
-    const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, MSG_DONTWAIT);
-    if (n > 0) {
-      rlen_ += static_cast<std::size_t>(n);
-      last_used_ = Clock::now();
-      return true;
-    }
-    if (n == 0) eof_while(name);
-    const int err = errno;
-    if (err != EINTR && err != EAGAIN && err != EWOULDBLOCK) recv_failed(name, err);
+    if (take(MSG_DONTWAIT)) return true;
   }
 }
 

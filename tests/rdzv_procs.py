@@ -20,11 +20,12 @@ AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rdzv_agent.py"
 
 
 class Agent:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], prefix: list[str] | None = None) -> None:
+        """``prefix``: a command the agent runs under (e.g. ``ip netns exec NS``)."""
         self.cfg = cfg
         self.addr = cfg["addr"]
         self.proc = subprocess.Popen(
-            [sys.executable, AGENT, json.dumps(cfg)],
+            [*(prefix or []), sys.executable, AGENT, json.dumps(cfg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )

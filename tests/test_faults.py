@@ -7,9 +7,7 @@ and rules in ``finally``/``with`` blocks and checks nothing of them is left.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -30,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import etcd_cluster  # noqa: E402
 import netfaults  # noqa: E402
-from rdzv_procs import AGENT, Agent, Agents  # noqa: E402
+from rdzv_procs import Agent, Agents  # noqa: E402
 
 import elasticstore  # noqa: E402
 
@@ -54,25 +52,6 @@ def net() -> Iterator[None]:
 # --- simulated rendezvous nodes, some inside a namespace -------------------------------------
 
 
-class NsAgent(Agent):
-    """``rdzv_agent.py`` run with a command prefix (``ip netns exec NS``)."""
-
-    def __init__(self, cfg: dict[str, Any], prefix: list[str]) -> None:
-        self.cfg = cfg
-        self.addr = cfg["addr"]
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, AGENT, json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.stderr: list[str] = []
-        self._threads = [threading.Thread(target=self._read, daemon=True),
-                         threading.Thread(target=self._read_err, daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-
 class NsAgents(Agents):
     """Agents; those whose address is in ``inside`` run in that node's namespace."""
 
@@ -83,7 +62,7 @@ class NsAgents(Agents):
     def start(self, addr: str, **overrides: Any) -> Agent:
         if addr not in self.inside:
             return super().start(addr, **overrides)
-        agent = NsAgent({**self.common, "addr": addr, **overrides}, self.inside[addr].prefix())
+        agent = Agent({**self.common, "addr": addr, **overrides}, self.inside[addr].prefix())
         self.agents.append(agent)
         return agent
 
