@@ -86,12 +86,12 @@ def join_timeout_names_who_joined(agents: Make) -> None:
     with agents(3, 3, join_timeout=1.5) as group:
         nodes = group.start_together([f"127.0.0.{i}" for i in (2, 3)], after="shutdown")
         errors = [a.expect("error", 30) for a in nodes]
-        for err in errors:
+        for addr, err in zip(("127.0.0.2", "127.0.0.3"), errors):
             assert err["type"] == "RendezvousTimeoutError"
-            assert "join_timeout=1.5s" in err["msg"] and "127.0.0.2-" in err["msg"]
-            assert "127.0.0.3-" in err["msg"]
+            assert "join_timeout=1.5s" in err["msg"] and f"{addr}-" in err["msg"], err["msg"]
         # the first to give up saw both joined (the other may see it gone already)
         first = min(errors, key=lambda e: e["t"])["msg"]
+        assert "127.0.0.2-" in first and "127.0.0.3-" in first, first
         assert "(2); missing: 1 more node(s) to reach min_nodes" in first, first
 
 
