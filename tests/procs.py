@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any
 
 import pytest
 
@@ -81,3 +85,47 @@ def wait_until(condition: Any, timeout: float, what: str, interval: float = 0.01
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@dataclass
+class CliServer:
+    """An ``elasticstore server`` subprocess and the address it printed."""
+
+    proc: subprocess.Popen[str]
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@contextmanager
+def cli_server(*flags: str, stderr: IO[str] | int = subprocess.PIPE) -> Iterator[CliServer]:
+    """Runs ``elasticstore server --port 0 FLAGS`` until the block ends (killed and reaped even
+    when the test fails); yields once it accepts connections."""
+    proc = subprocess.Popen([sys.executable, "-m", "elasticstore.cli", "server", "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once it accepts (bounded by the test's timeout)
+        assert line.startswith("elasticstore server listening on "), line
+        host, port = line.split()[-1].rsplit(":", 1)
+        yield CliServer(proc, host, int(port))
+    finally:
+        kill_all([proc])  # SIGKILL ends a process the test stopped, too
+
+
+def closed_by_server(sock: socket.socket, deadline: float = 5.0) -> bool:
+    """Reads (discarding any replies) until the server closes; False if it has not by then."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        sock.settimeout(max(0.01, end - time.monotonic()))
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except ConnectionResetError:
+            return True
+        except socket.timeout:  # TimeoutError from 3.10 on
+            return False
+    return False

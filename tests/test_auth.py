@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import elasticstore
 from elasticstore import AuthenticationError, Store, StoreServer
-from procs import wait_until
+from procs import closed_by_server, wait_until
 
 TOKEN = "s3cret-token"
 SHORT = timedelta(seconds=5)
@@ -81,17 +81,6 @@ def _reply(sock: socket.socket) -> tuple[int, int, bytes]:
     (body,) = struct.unpack("<I", _recv_exact(sock, 4))
     rest = _recv_exact(sock, body)
     return rest[0], struct.unpack("<I", rest[1:5])[0], rest[5:]
-
-
-def _closed(sock: socket.socket) -> bool:
-    try:
-        while True:
-            if sock.recv(65536) == b"":
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
 
 
 def _connect(port: int, source: str | None = None) -> socket.socket:
@@ -213,14 +202,14 @@ def test_raw_handshake_with_the_right_token_serves(server: StoreServer) -> None:
     sock.close()
 
 
-def test_wrong_mac_is_refused_and_closed(server: StoreServer) -> None:
+def test_wrong_mac_is_refused_andclosed_by_server(server: StoreServer) -> None:
     sock = _connect(server.port)
     cn = os.urandom(NONCE)
     sn = _server_nonce(sock, cn)
     sock.sendall(_frame(AUTH, 2, _bytes(_mac("not-the-token", "client", cn, sn))))
     status, _, payload = _reply(sock)
     assert status == UNAUTHENTICATED and b"wrong token" in payload
-    assert _closed(sock)
+    assert closed_by_server(sock)
 
 
 def test_replayed_handshake_is_refused(server: StoreServer) -> None:
@@ -238,7 +227,7 @@ def test_replayed_handshake_is_refused(server: StoreServer) -> None:
     assert sn2 != sn
     replay.sendall(recorded_auth)
     assert _reply(replay)[0] == UNAUTHENTICATED
-    assert _closed(replay)
+    assert closed_by_server(replay)
 
 
 def test_server_proof_is_not_a_client_proof(server: StoreServer) -> None:
@@ -248,7 +237,7 @@ def test_server_proof_is_not_a_client_proof(server: StoreServer) -> None:
     sn = _server_nonce(sock, cn)
     sock.sendall(_frame(AUTH, 2, _bytes(_mac(TOKEN, "server", cn, sn))))
     assert _reply(sock)[0] == UNAUTHENTICATED
-    assert _closed(sock)
+    assert closed_by_server(sock)
 
 
 @pytest.mark.parametrize(
@@ -266,7 +255,7 @@ def test_bad_handshakes_close_and_touch_nothing(server: StoreServer, payload: by
     sock.sendall(payload)
     if payload.endswith(_hello(b"")[:9]):
         sock.shutdown(socket.SHUT_WR)
-    assert _closed(sock)
+    assert closed_by_server(sock)
     sock.close()
     assert server.stats()["keys"] == 0
     with Store(server.host, server.port, token=TOKEN, timeout=SHORT) as store:

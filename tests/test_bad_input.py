@@ -7,9 +7,7 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,21 +61,11 @@ def server_proc() -> Iterator[ServerProcess]:
     a frame (not malformed, perhaps a crashed client) only at ``info``."""
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         log_path = log.name
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticstore.cli", "server", "--port", "0", "--log-level", "info"],
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-        )
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("elasticstore server listening on "), line
-        host, port = line.split()[-1].rsplit(":", 1)
-        yield ServerProcess(proc, host, int(port), log_path)
+        with open(log_path, "w") as log_file, procs.cli_server("--log-level", "info",
+                                                               stderr=log_file) as server:
+            yield ServerProcess(server.proc, server.host, server.port, log_path)
     finally:
-        procs.kill_all([proc])
         os.unlink(log_path)
 
 
@@ -85,21 +73,6 @@ def _connect(srv: ServerProcess) -> socket.socket:
     sock = socket.create_connection((srv.host, srv.port), timeout=5)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-def _closed_by_server(sock: socket.socket, deadline: float = 5.0) -> bool:
-    """Reads (discarding any replies) until the server closes; False if it has not by then."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        sock.settimeout(max(0.01, end - time.monotonic()))
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except ConnectionResetError:
-            return True
-        except socket.timeout:  # TimeoutError from 3.10 on
-            return False
-    return False
 
 
 def test_raw_handshake_and_get(server_proc: ServerProcess) -> None:
@@ -145,7 +118,7 @@ def test_bad_input_closes_only_that_connection(server_proc: ServerProcess, name:
             bad.sendall(data)
             if half_close:
                 bad.shutdown(socket.SHUT_WR)
-            assert _closed_by_server(bad), f"{name}: the server kept the connection open"
+            assert procs.closed_by_server(bad), f"{name}: the server kept the connection open"
         assert healthy.get("before") == b"1"
         healthy.set("after", "2")
         assert healthy.get("after") == b"2"

@@ -39,21 +39,8 @@ def _free_port() -> int:
 @pytest.fixture
 def server_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
     """An ``elasticstore server`` subprocess (so that it can be stopped with SIGSTOP)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticstore.cli", "server", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("elasticstore server listening on "), line
-        yield proc, int(line.split()[-1].rsplit(":", 1)[1])
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        procs.kill_all([proc])
+    with procs.cli_server() as server:
+        yield server.proc, server.port
 
 
 def _stop(pid: int) -> None:

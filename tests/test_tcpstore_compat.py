@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import elasticstore
-from procs import kill_all, wait_until
+from procs import cli_server, closed_by_server, kill_all, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "tcpstore_job.py")
@@ -28,22 +28,10 @@ VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
 
 
 @pytest.fixture
-def cli_server() -> Iterator[tuple[str, int, subprocess.Popen[str]]]:
+def cli_server_proc() -> Iterator[tuple[str, int, subprocess.Popen[str]]]:
     """``elasticstore server`` in its own process, as a job would run it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "elasticstore.cli", "server", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the server prints it once it accepts connections
-        assert line.startswith("elasticstore server listening on "), line
-        host, port = line.rsplit(" ", 1)[1].strip().rsplit(":", 1)
-        yield host, int(port), proc
-    finally:
-        kill_all([proc])
+    with cli_server("--host", "127.0.0.1") as server:
+        yield server.host, server.port, server.proc
 
 
 def _run_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
@@ -111,11 +99,11 @@ def test_job_results_survive_interleaved_stdout(tmp_path: pathlib.Path) -> None:
 
 
 def test_env_script_runs_unchanged_on_our_server(
-    cli_server: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
+    cli_server_proc: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
 ) -> None:
     """Four workers with MASTER_ADDR/MASTER_PORT at our server, as torchrun launches them
     (TORCHELASTIC_USE_AGENT_STORE tells torch the store is hosted elsewhere)."""
-    host, port, server = cli_server
+    host, port, server = cli_server_proc
     world = 4
     procs = []
     for rank in range(world):
@@ -142,10 +130,10 @@ def test_env_script_runs_unchanged_on_our_server(
 
 
 def test_torchrun_c10d_rendezvous_on_our_server(
-    cli_server: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
+    cli_server_proc: tuple[str, int, subprocess.Popen[str]], tmp_path: pathlib.Path,
 ) -> None:
     """torchrun's own c10d rendezvous: 2 agents (127.0.0.2, 127.0.0.3) x 2 workers."""
-    host, port, _ = cli_server
+    host, port, _ = cli_server_proc
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     agents = []
     for node in (2, 3):
@@ -177,17 +165,6 @@ def _connect(port: int) -> socket.socket:
     return sock
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    try:
-        while True:
-            if sock.recv(65536) == b"":
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 @pytest.mark.parametrize(
     "payload, reason",
     [
@@ -208,7 +185,7 @@ def test_misbehaving_torch_client_closes_only_itself(
         bad.sendall(payload)
         if reason is None:
             bad.shutdown(socket.SHUT_WR)
-        assert _closed_by_server(bad)
+        assert closed_by_server(bad)
         bad.close()
         # The well-behaved client on the same server is unaffected.
         torch_client.set("after", "2")

@@ -4,8 +4,6 @@ with rank 0 hosting the server or with an external ``elasticstore server``."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 
 import procs
 import pytest
@@ -38,20 +36,8 @@ def test_init_method_rank0_hosts_the_server() -> None:
 
 
 def test_init_method_external_server() -> None:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "elasticstore.cli", "server", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        line = server.stdout.readline()  # printed once it accepts (bounded by the test timeout)
-        assert line.startswith("elasticstore server listening on "), line
-        address = line.split()[-1]
-        _group("init_method", 2, f"elasticstore://{address}?server=external")
-    finally:
-        procs.kill_all([server])
+    with procs.cli_server() as server:
+        _group("init_method", 2, f"elasticstore://{server.address}?server=external")
 
 
 def test_rendezvous_url_errors() -> None:
