@@ -177,6 +177,19 @@ def _open_etcd(torch_prefix: str | None = None) -> Iterator[Opened]:
             store.close()
 
 
+# What a store reached through torch's C++ PrefixStore (the Python trampoline) cannot do.
+TRAMPOLINE_LACKS = {
+    QUEUES: "torch's PythonStore trampoline does not forward queue calls",
+    LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
+    BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
+}
+# What torch's TCPStore client cannot do on our server.
+TCPSTORE_CLIENT_LACKS = {
+    ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
+    "the connection on a failed add, as torch's own server does",
+    BARRIER_WITHDRAWS: TORCH_BARRIER,
+}
+
 KINDS: list[StoreKind] = [
     StoreKind("elasticstore", _open_elasticstore),
     StoreKind(
@@ -202,30 +215,18 @@ KINDS: list[StoreKind] = [
     StoreKind(
         "prefix",
         lambda: _open_elasticstore(prefix="conformance"),
-        lacks={
-            QUEUES: "torch's PythonStore trampoline does not forward queue calls",
-            LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
-            BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
-        },
+        lacks=TRAMPOLINE_LACKS,
     ),
     # torch's own TCPStore client speaking its protocol to our server (the second codec).
     StoreKind(
         "tcpstore-client",
         _open_tcpstore_client_on_elasticstore,
-        lacks={
-            ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
-            "the connection on a failed add, as torch's own server does",
-            BARRIER_WITHDRAWS: TORCH_BARRIER,
-        },
+        lacks=TCPSTORE_CLIENT_LACKS,
     ),
     StoreKind(
         "prefix-tcpstore-client",
         lambda: _open_tcpstore_client_on_elasticstore(prefix="conformance"),
-        lacks={
-            ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
-            "the connection on a failed add, as torch's own server does",
-            BARRIER_WITHDRAWS: TORCH_BARRIER,
-        },
+        lacks=TCPSTORE_CLIENT_LACKS,
     ),
     # EtcdStore on a real etcd (the same API over etcd v3 transactions, watches and leases).
     StoreKind("etcd", _open_etcd),
@@ -233,11 +234,7 @@ KINDS: list[StoreKind] = [
     StoreKind(
         "prefix-etcd",
         lambda: _open_etcd(torch_prefix="conformance"),
-        lacks={
-            QUEUES: "torch's PythonStore trampoline does not forward queue calls",
-            LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
-            BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
-        },
+        lacks=TRAMPOLINE_LACKS,
     ),
 ]
 KINDS_BY_NAME = {kind.name: kind for kind in KINDS}
