@@ -19,6 +19,7 @@ start): scripts/demo measures the recovery time with them.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -249,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(tmp, "w") as f:
                 json.dump(summary, f, indent=1)
             os.replace(tmp, args.summary)
+    # DDP goes before the group. torch frees DDP's reducer with the GIL held; if that drops the
+    # last reference to a gloo group, the group's destructor joins its worker threads, and one may
+    # be waiting for the GIL to free a finished collective's tensors: a hang at exit (torch issue
+    # 56297). Freed here, the reducer drops one reference; the group goes in destroy_process_group.
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -34,7 +34,10 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
+# Imported once by the fork server so that no worker pays for them again. torch._dynamo: creating
+# a torch.optim optimizer imports it (1.4-3 s here), so nearly every training script would.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors",
+           "torch._dynamo")
 _MAX_MSG = 1 << 20
 
 
