@@ -34,10 +34,13 @@ from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-# Imported once by the fork server so that no worker pays for them again. torch._dynamo: creating
-# a torch.optim optimizer imports it (1.4-3 s here), so nearly every training script would.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors",
-           "torch._dynamo")
+# Imported by the fork server before its first fork, so that no worker pays for them again.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
+# Imported once the first workers are forked and the server has been idle IDLE_PRELOAD_S: the next
+# round's workers find them loaded, and the first round does not wait for them. torch._dynamo:
+# creating a torch.optim optimizer imports it (1.4-3 s here), so nearly every training script does.
+DEFERRED_PRELOAD = ("torch._dynamo",)
+IDLE_PRELOAD_S = 0.5
 _MAX_MSG = 1 << 20
 
 
@@ -115,6 +118,7 @@ def read_status(sock: socket.socket) -> int | None:
 class _Server:
     def __init__(self, ctl: socket.socket, preload: bool) -> None:
         self.ctl, self.preload = ctl, preload
+        self.deferred = list(DEFERRED_PRELOAD) if preload else []
         self.workers: dict[int, socket.socket] = {}
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
@@ -129,7 +133,10 @@ class _Server:
         self.sel.register(self.ctl, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         while True:
-            for key, _ in self.sel.select():
+            ready = self.sel.select(IDLE_PRELOAD_S if self.deferred and self.workers else None)
+            if not ready and self.deferred:
+                _import(self.deferred.pop(0))
+            for key, _ in ready:
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
                     self._reap()
@@ -271,6 +278,15 @@ def _exec(job: dict[str, Any]) -> None:
     os._exit(127)
 
 
+def _import(name: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # the worker then imports it itself (and reports it)
+        print(f"elasticstore fork server: preloading {name} failed: {exc}", file=sys.stderr)
+
+
 def main() -> dict[str, Any] | None:
     mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     del sys.path[0]  # this file's directory: never on a worker's path
@@ -280,13 +296,8 @@ def main() -> dict[str, Any] | None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctl = socket.socket(fileno=ctl_fd)
     if mode == "--preload":
-        import importlib
-
         for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # the worker then imports it itself (and reports it)
-                print(f"elasticstore fork server: preloading {name} failed: {exc}", file=sys.stderr)
+            _import(name)
     job = _Server(ctl, mode == "--preload").serve()
     if job is not None:
         job["forked_at"] = time.time()
