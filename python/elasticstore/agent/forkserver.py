@@ -22,6 +22,7 @@ then on), and the server writes ``exit CODE`` (negative: killed by signal -CODE)
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import selectors
@@ -157,6 +158,10 @@ class _Server:
 
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         status = socket.socket(fileno=fds[0])
+        # Everything imported so far moves to the collector's permanent generation: a worker's
+        # collections (and its exit) never traverse torch's objects, and never write to their
+        # pages, which then stay shared with this process (Python's advice for fork without exec).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             job["fds"] = fds[1:]
