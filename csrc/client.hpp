@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "client_stats.hpp"
 #include "protocol.hpp"
 
 namespace elasticstore {
@@ -203,6 +204,26 @@ class Client {
   // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
   std::unique_lock<std::timed_mutex> lock_call();
 
+  // One call in progress: holds mu_ and, when it ends, adds the call to call_stats (client_stats.hpp)
+  // with its time since start_call(): Ok when it returned, failure_ when it threw.
+  class Call {
+   public:
+    Call(Client& client, Op op, Clock::time_point start, std::unique_lock<std::timed_mutex> lock);
+    ~Call();
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    std::unique_lock<std::timed_mutex> lock_;  // released after the destructor's body
+    Client& client_;
+    const Op op_;
+    const Clock::time_point start_;
+    const int exceptions_;  // std::uncaught_exceptions() at the start
+  };
+  // Every operation that sends a request starts with this (after checking its arguments). A
+  // failure to take mu_ (closed, interrupted) is recorded too.
+  Call start_call(Op op);
+
   // Connection management (all *_locked methods need mu_ held). The socket, connecting with
   // backoff and waiting against deadlines are the transport's (client_transport.hpp).
   void connect_locked(Timeout timeout);
@@ -253,6 +274,9 @@ class Client {
   std::atomic<int64_t> op_timeout_ms_;
   Clock::time_point call_deadline_{};  // of the call in progress (op_timeout from its start)
   Subject subject_;                    // of the call in progress
+  // The outcome recorded if the call in progress throws: Network once a NetworkError passed
+  // rethrow_network_locked, Timeout once the server answered TIMEOUT, else Error.
+  call_stats::Outcome failure_ = call_stats::Outcome::Error;
   std::minstd_rand rng_;
 };
 
