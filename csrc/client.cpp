@@ -136,15 +136,20 @@ std::unique_lock<std::timed_mutex> Client::lock_call() {
 
 Client::Call Client::start_call(Op op) {
   const auto start = Clock::now();
-  std::unique_lock<std::timed_mutex> lock;
-  try {
-    lock = lock_call();
-  } catch (const NetworkError&) {
-    call_stats::record(op, call_stats::Outcome::Network, Clock::now() - start);
-    throw;
-  } catch (...) {
-    call_stats::record(op, call_stats::Outcome::Error, Clock::now() - start);
-    throw;
+  std::unique_lock<std::timed_mutex> lock(mu_, std::try_to_lock);
+  if (lock.owns_lock()) {
+    call_start_ = start;  // one clock read for both
+  } else {
+    try {
+      lock = lock_call();
+    } catch (const NetworkError&) {
+      call_stats::record(op, call_stats::Outcome::Network, Clock::now() - start);
+      throw;
+    } catch (...) {
+      call_stats::record(op, call_stats::Outcome::Error, Clock::now() - start);
+      throw;
+    }
+    call_start_ = Clock::now();
   }
   failure_ = call_stats::Outcome::Error;
   return Call(*this, op, start, std::move(lock));
@@ -313,7 +318,7 @@ void Client::rethrow_network_locked(const NetworkError& e, Op op) {
 // ---- one exchange -----------------------------------------------------------------------------
 
 Writer Client::begin_locked(Op op, Subject subject) {
-  call_deadline_ = deadline_after(Clock::now(), op_timeout());
+  call_deadline_ = deadline_after(call_start_, op_timeout());
   subject_ = subject;
   try {
     ensure_connected_locked();

@@ -234,9 +234,9 @@ class Client {
   void ensure_connected_locked();
   void close_fd_locked();
 
-  // One exchange: begin_locked() starts the call's deadline (op_timeout), checks the client,
-  // (re)connects and starts the frame; exchange_locked() finishes it, sends it and reads the
-  // matching reply. server_timeout_ms is the timeout sent to the server (kNoTimeout) or
+  // One exchange: begin_locked() starts the call's deadline (op_timeout from call_start_),
+  // checks the client, (re)connects and starts the frame; exchange_locked() finishes it, sends it
+  // and reads the matching reply. server_timeout_ms is the timeout sent to the server (kNoTimeout) or
   // kNotBlocking for requests that never block. Their network errors name op and subject.
   Writer begin_locked(Op op, Subject subject = {});
   [[noreturn]] void rethrow_network_locked(const NetworkError& e, Op op);
@@ -272,7 +272,9 @@ class Client {
   std::string wbuf_;         // the request being built; reused
   uint32_t request_id_ = 0;  // of the request being built
   std::atomic<int64_t> op_timeout_ms_;
-  Clock::time_point call_deadline_{};  // of the call in progress (op_timeout from its start)
+  // Of the call in progress: when it took mu_ (start_call), and op_timeout from then.
+  Clock::time_point call_start_{};
+  Clock::time_point call_deadline_{};
   Subject subject_;                    // of the call in progress
   // The outcome recorded if the call in progress throws: Network once a NetworkError passed
   // rethrow_network_locked, Timeout once the server answered TIMEOUT, else Error.
