@@ -13,11 +13,13 @@ Outcomes (:data:`CLIENT_CALL_OUTCOMES`): ``ok``: the call returned (a non-blocki
 :class:`~elasticstore.StoreTimeoutError`; ``network``:
 :class:`~elasticstore.StoreNetworkError` (no connection, a lost one, no reply in time, a closed
 store); ``error``: any other error (an error reply, an interrupt, a compacted watch, ...). A
-native call refused before it is sent (a key over the size limit, say) is not counted.
+native call refused before it is sent (a key over the size limit, say) is not counted. A forked
+child starts from its parent's counts.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from bisect import bisect_left
@@ -63,6 +65,9 @@ class _Recorder:
         # op -> [calls by outcome (in CLIENT_CALL_OUTCOMES order)], seconds, [buckets]
         self._ops: dict[str, tuple[list[int], list[float], list[int]]] = {}
 
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at fork()
+
     def record(self, op: str, outcome: str, seconds: float) -> None:
         slot = CLIENT_CALL_OUTCOMES.index(outcome)
         bucket = bisect_left(CLIENT_CALL_BUCKETS, seconds)  # first bound >= seconds
@@ -83,6 +88,7 @@ class _Recorder:
 
 
 _ETCD = _Recorder()
+os.register_at_fork(after_in_child=_ETCD.after_fork_in_child)
 
 F = TypeVar("F", bound=Callable[..., object])
 
