@@ -13,6 +13,7 @@
 
 #include "auth.hpp"
 #include "client.hpp"
+#include "client_stats.hpp"
 #include "protocol.hpp"
 #include "py_interop.hpp"
 #include "server.hpp"
@@ -92,6 +93,28 @@ std::unique_ptr<es::Client> make_client(const std::string& host, int port, doubl
       [&] { return std::make_unique<es::Client>(host, static_cast<uint16_t>(port), options); });
 }
 
+// call_stats::snapshot() as plain Python objects (see client_call_stats in _C.pyi).
+py::list client_call_stats() {
+  namespace cs = es::call_stats;
+  const std::vector<cs::OpSnapshot> snap = cs::snapshot();
+  py::list out;
+  for (const cs::OpSnapshot& s : snap) {
+    py::dict calls;
+    for (std::size_t o = 0; o < cs::kOutcomes; ++o) {
+      calls[cs::outcome_name(static_cast<cs::Outcome>(o))] = s.calls[o];
+    }
+    py::list buckets;
+    for (const uint64_t n : s.buckets) buckets.append(n);
+    py::dict d;
+    d["op"] = s.op;
+    d["calls"] = calls;
+    d["seconds"] = static_cast<double>(s.total_ns) / 1e9;
+    d["buckets"] = buckets;
+    out.append(d);
+  }
+  return out;
+}
+
 py::object optional_bytes(const std::optional<std::string>& v) {
   if (!v) return py::none();
   return py::bytes(*v);
@@ -116,6 +139,18 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_KEYS_PER_REQUEST") = es::kMaxKeysPerRequest;
   m.attr("NO_TIMEOUT") = -1.0;
   m.attr("MAX_TOKEN_BYTES") = es::kMaxTokenBytes;
+  {
+    namespace cs = es::call_stats;
+    py::list bounds;
+    for (const int64_t ns : cs::kLatencyBoundsNs) bounds.append(static_cast<double>(ns) / 1e9);
+    m.attr("CLIENT_CALL_BUCKETS") = py::tuple(bounds);
+    py::list outcomes;
+    for (std::size_t o = 0; o < cs::kOutcomes; ++o)
+      outcomes.append(cs::outcome_name(static_cast<cs::Outcome>(o)));
+    m.attr("CLIENT_CALL_OUTCOMES") = py::tuple(outcomes);
+  }
+  m.def("client_call_stats", &client_call_stats,
+        "Calls of every Client of this process so far, per operation (see _C.pyi)");
 
   py::register_exception_translator(translate_exception);
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <utility>
 
 #include "auth.hpp"
 #include "client_ops.hpp"
@@ -132,6 +134,41 @@ std::unique_lock<std::timed_mutex> Client::lock_call() {
   }
 }
 
+Client::Call Client::start_call(Op op) {
+  const auto start = Clock::now();
+  std::unique_lock<std::timed_mutex> lock(mu_, std::try_to_lock);
+  if (lock.owns_lock()) {
+    call_start_ = start;  // one clock read for both
+  } else {
+    try {
+      lock = lock_call();
+    } catch (const NetworkError&) {
+      call_stats::record(op, call_stats::Outcome::Network, Clock::now() - start);
+      throw;
+    } catch (...) {
+      call_stats::record(op, call_stats::Outcome::Error, Clock::now() - start);
+      throw;
+    }
+    call_start_ = Clock::now();
+  }
+  failure_ = call_stats::Outcome::Error;
+  return Call(*this, op, start, std::move(lock));
+}
+
+Client::Call::Call(Client& client, Op op, Clock::time_point start,
+                   std::unique_lock<std::timed_mutex> lock)
+    : lock_(std::move(lock)),
+      client_(client),
+      op_(op),
+      start_(start),
+      exceptions_(std::uncaught_exceptions()) {}
+
+Client::Call::~Call() {
+  const auto outcome =
+      std::uncaught_exceptions() > exceptions_ ? client_.failure_ : call_stats::Outcome::Ok;
+  call_stats::record(op_, outcome, Clock::now() - start_);
+}
+
 void Client::check_not_closed() const { conn_->check_not_closed(); }
 
 std::string Client::endpoint() const { return conn_->endpoint(); }
@@ -140,6 +177,7 @@ std::string Client::endpoint() const { return conn_->endpoint(); }
 void Client::close_fd_locked() { conn_->close_fd(); }
 
 void Client::fail_protocol_locked(const std::string& what) {
+  failure_ = call_stats::Outcome::Error;
   close_fd_locked();
   throw ProtocolError(endpoint() + ": protocol error: " + what + "; connection closed");
 }
@@ -147,7 +185,18 @@ void Client::fail_protocol_locked(const std::string& what) {
 // ---- connecting -------------------------------------------------------------------------------
 
 void Client::connect_locked(Timeout timeout) {
-  conn_->connect(timeout, [this](Clock::time_point deadline) { handshake_locked(deadline); });
+  using call_stats::Outcome;
+  const auto start = Clock::now();
+  try {
+    conn_->connect(timeout, [this](Clock::time_point deadline) { handshake_locked(deadline); });
+  } catch (const NetworkError&) {
+    call_stats::record(call_stats::kConnectSlot, Outcome::Network, Clock::now() - start);
+    throw;
+  } catch (...) {
+    call_stats::record(call_stats::kConnectSlot, Outcome::Error, Clock::now() - start);
+    throw;
+  }
+  call_stats::record(call_stats::kConnectSlot, Outcome::Ok, Clock::now() - start);
 }
 
 void Client::handshake_locked(Clock::time_point deadline) {
@@ -261,6 +310,7 @@ std::string CallSubject::describe() const {
 }
 
 void Client::rethrow_network_locked(const NetworkError& e, Op op) {
+  failure_ = call_stats::Outcome::Network;
   const std::string s = subject_.describe();
   throw NetworkError(lower_op(op) + (s.empty() ? "" : " " + s) + ": " + e.what());
 }
@@ -268,7 +318,7 @@ void Client::rethrow_network_locked(const NetworkError& e, Op op) {
 // ---- one exchange -----------------------------------------------------------------------------
 
 Writer Client::begin_locked(Op op, Subject subject) {
-  call_deadline_ = deadline_after(Clock::now(), op_timeout());
+  call_deadline_ = deadline_after(call_start_, op_timeout());
   subject_ = subject;
   try {
     ensure_connected_locked();
@@ -303,7 +353,9 @@ Client::Reply Client::exchange_locked(Writer& w, Op op, uint32_t server_timeout_
       const milliseconds t(server_timeout_ms);
       deadline = sent_at + t + std::max(kMinSlack, t / 10);
     }
-    return read_reply_locked(request_id_, deadline, op, server_timeout_ms, sent_at);
+    const Reply r = read_reply_locked(request_id_, deadline, op, server_timeout_ms, sent_at);
+    if (r.status == static_cast<uint8_t>(Status::Timeout)) failure_ = call_stats::Outcome::Timeout;
+    return r;
   } catch (const NetworkError& e) {
     rethrow_network_locked(e, op);
   }

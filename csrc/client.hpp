@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "client_stats.hpp"
 #include "protocol.hpp"
 
 namespace elasticstore {
@@ -203,6 +204,26 @@ class Client {
   // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
   std::unique_lock<std::timed_mutex> lock_call();
 
+  // One call in progress: holds mu_ and, when it ends, adds the call to call_stats (client_stats.hpp)
+  // with its time since start_call(): Ok when it returned, failure_ when it threw.
+  class Call {
+   public:
+    Call(Client& client, Op op, Clock::time_point start, std::unique_lock<std::timed_mutex> lock);
+    ~Call();
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    std::unique_lock<std::timed_mutex> lock_;  // released after the destructor's body
+    Client& client_;
+    const Op op_;
+    const Clock::time_point start_;
+    const int exceptions_;  // std::uncaught_exceptions() at the start
+  };
+  // Every operation that sends a request starts with this (after checking its arguments). A
+  // failure to take mu_ (closed, interrupted) is recorded too.
+  Call start_call(Op op);
+
   // Connection management (all *_locked methods need mu_ held). The socket, connecting with
   // backoff and waiting against deadlines are the transport's (client_transport.hpp).
   void connect_locked(Timeout timeout);
@@ -213,9 +234,9 @@ class Client {
   void ensure_connected_locked();
   void close_fd_locked();
 
-  // One exchange: begin_locked() starts the call's deadline (op_timeout), checks the client,
-  // (re)connects and starts the frame; exchange_locked() finishes it, sends it and reads the
-  // matching reply. server_timeout_ms is the timeout sent to the server (kNoTimeout) or
+  // One exchange: begin_locked() starts the call's deadline (op_timeout from call_start_),
+  // checks the client, (re)connects and starts the frame; exchange_locked() finishes it, sends it
+  // and reads the matching reply. server_timeout_ms is the timeout sent to the server (kNoTimeout) or
   // kNotBlocking for requests that never block. Their network errors name op and subject.
   Writer begin_locked(Op op, Subject subject = {});
   [[noreturn]] void rethrow_network_locked(const NetworkError& e, Op op);
@@ -251,8 +272,13 @@ class Client {
   std::string wbuf_;         // the request being built; reused
   uint32_t request_id_ = 0;  // of the request being built
   std::atomic<int64_t> op_timeout_ms_;
-  Clock::time_point call_deadline_{};  // of the call in progress (op_timeout from its start)
+  // Of the call in progress: when it took mu_ (start_call), and op_timeout from then.
+  Clock::time_point call_start_{};
+  Clock::time_point call_deadline_{};
   Subject subject_;                    // of the call in progress
+  // The outcome recorded if the call in progress throws: Network once a NetworkError passed
+  // rethrow_network_locked, Timeout once the server answered TIMEOUT, else Error.
+  call_stats::Outcome failure_ = call_stats::Outcome::Error;
   std::minstd_rand rng_;
 };
 

@@ -13,7 +13,7 @@ using namespace client_detail;
 
 std::string Client::get(std::string_view key, Timeout timeout) {
   check_key(Op::Get, key);
-  auto lock = lock_call();
+  const Call call = start_call(Op::Get);
   const uint32_t t = wire_timeout(timeout);
   Writer w = begin_locked(Op::Get, key);
   w.bytes(key);
@@ -62,7 +62,7 @@ void Client::wait(const std::vector<std::string>& keys, Timeout timeout) {
     check_not_closed();
     return;
   }
-  auto lock = lock_call();
+  const Call call = start_call(Op::Wait);
   const Reply r = wait_for_keys_locked(Op::Wait, keys, timeout);
   finish_locked(Reader(r.payload), Op::Wait);
 }
@@ -74,7 +74,7 @@ std::vector<std::string> Client::multi_get(const std::vector<std::string>& keys,
     check_not_closed();
     return {};
   }
-  auto lock = lock_call();
+  const Call call = start_call(Op::MultiGet);
   const Reply r = wait_for_keys_locked(Op::MultiGet, keys, timeout);
   Reader rd(r.payload);
   const uint32_t n = rd.count(kMaxKeysPerRequest, 4);
@@ -91,7 +91,7 @@ std::vector<std::string> Client::multi_get(const std::vector<std::string>& keys,
 
 std::optional<std::string> Client::queue_pop(std::string_view queue, Timeout timeout) {
   check_key(Op::QueuePop, queue);
-  auto lock = lock_call();
+  const Call call = start_call(Op::QueuePop);
   const uint32_t t = wire_timeout(timeout);
   Writer w = begin_locked(Op::QueuePop, Subject(queue, "queue "));
   w.bytes(queue);
@@ -117,7 +117,7 @@ uint64_t Client::barrier(std::string_view key, int64_t world_size, Timeout timeo
     throw StoreError("barrier " + quote(key) + ": world_size must be in [1, " +
                      std::to_string(UINT32_MAX) + "], got " + std::to_string(world_size));
   }
-  auto lock = lock_call();
+  const Call call = start_call(Op::Barrier);
   const uint32_t t = wire_timeout(timeout);
   Writer w = begin_locked(Op::Barrier, key);
   w.bytes(key);
@@ -143,7 +143,7 @@ uint64_t Client::barrier(std::string_view key, int64_t world_size, Timeout timeo
 WatchEvent Client::watch(std::string_view key, std::optional<uint64_t> after_revision,
                          Timeout timeout, bool prefix) {
   check_key(Op::Watch, key);
-  auto lock = lock_call();
+  const Call call = start_call(Op::Watch);
   const uint32_t t = wire_timeout(timeout);
   const uint64_t after = after_revision ? *after_revision : kWatchFromNow;
   Writer w = begin_locked(Op::Watch, Subject(key, prefix ? "prefix " : ""));

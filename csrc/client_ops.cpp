@@ -15,7 +15,7 @@ using namespace client_detail;
 uint64_t Client::set(std::string_view key, std::string_view value, bool ephemeral) {
   check_key(Op::Set, key);
   check_value(Op::Set, key, value);
-  auto lock = lock_call();
+  const Call call = start_call(Op::Set);
   Writer w = begin_locked(Op::Set, key);
   w.bytes(key);
   w.bytes(value);
@@ -30,7 +30,7 @@ uint64_t Client::set(std::string_view key, std::string_view value, bool ephemera
 
 std::optional<std::pair<std::string, uint64_t>> Client::try_get(std::string_view key) {
   check_key(Op::TryGet, key);
-  auto lock = lock_call();
+  const Call call = start_call(Op::TryGet);
   Writer w = begin_locked(Op::TryGet, key);
   w.bytes(key);
   const Reply r = exchange_locked(w, Op::TryGet, kNotBlocking);
@@ -46,7 +46,7 @@ std::optional<std::pair<std::string, uint64_t>> Client::try_get(std::string_view
 
 int64_t Client::add(std::string_view key, int64_t delta) {
   check_key(Op::Add, key);
-  auto lock = lock_call();
+  const Call call = start_call(Op::Add);
   Writer w = begin_locked(Op::Add, key);
   w.bytes(key);
   w.i64(delta);
@@ -63,7 +63,7 @@ CompareSetResult Client::compare_set(std::string_view key, std::string_view expe
   check_key(Op::CompareSet, key);
   check_value(Op::CompareSet, key, expected);
   check_value(Op::CompareSet, key, desired);
-  auto lock = lock_call();
+  const Call call = start_call(Op::CompareSet);
   Writer w = begin_locked(Op::CompareSet, key);
   w.bytes(key);
   w.bytes(expected);
@@ -86,7 +86,7 @@ bool Client::check(const std::vector<std::string>& keys) {
     check_not_closed();
     return true;
   }
-  auto lock = lock_call();
+  const Call call = start_call(Op::Check);
   Writer w = begin_locked(Op::Check, keys);
   w.keys(keys);
   const Reply r = exchange_locked(w, Op::Check, kNotBlocking);
@@ -99,7 +99,7 @@ bool Client::check(const std::vector<std::string>& keys) {
 
 bool Client::delete_key(std::string_view key) {
   check_key(Op::DeleteKey, key);
-  auto lock = lock_call();
+  const Call call = start_call(Op::DeleteKey);
   Writer w = begin_locked(Op::DeleteKey, key);
   w.bytes(key);
   const Reply r = exchange_locked(w, Op::DeleteKey, kNotBlocking);
@@ -111,7 +111,7 @@ bool Client::delete_key(std::string_view key) {
 }
 
 int64_t Client::num_keys() {
-  auto lock = lock_call();
+  const Call call = start_call(Op::NumKeys);
   Writer w = begin_locked(Op::NumKeys);
   const Reply r = exchange_locked(w, Op::NumKeys, kNotBlocking);
   expect_ok_locked(r, Op::NumKeys, [] { return std::string(); });
@@ -123,7 +123,7 @@ int64_t Client::num_keys() {
 
 std::vector<std::string> Client::list_keys(std::string_view prefix) {
   check_key(Op::ListKeys, prefix);
-  auto lock = lock_call();
+  const Call call = start_call(Op::ListKeys);
   Writer w = begin_locked(Op::ListKeys, Subject(prefix, "prefix "));
   w.bytes(prefix);
   const Reply r = exchange_locked(w, Op::ListKeys, kNotBlocking);
@@ -141,7 +141,7 @@ std::vector<std::string> Client::list_keys(std::string_view prefix) {
 uint64_t Client::append(std::string_view key, std::string_view value) {
   check_key(Op::Append, key);
   check_value(Op::Append, key, value);
-  auto lock = lock_call();
+  const Call call = start_call(Op::Append);
   Writer w = begin_locked(Op::Append, key);
   w.bytes(key);
   w.bytes(value);
@@ -161,7 +161,7 @@ uint64_t Client::multi_set(const std::vector<std::string>& keys,
   }
   check_keys(Op::MultiSet, keys);
   for (std::size_t i = 0; i < keys.size(); ++i) check_value(Op::MultiSet, keys[i], values[i]);
-  auto lock = lock_call();
+  const Call call = start_call(Op::MultiSet);
   Writer w = begin_locked(Op::MultiSet, keys);
   w.u32(static_cast<uint32_t>(keys.size()));
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -179,7 +179,7 @@ uint64_t Client::multi_set(const std::vector<std::string>& keys,
 int64_t Client::queue_push(std::string_view queue, std::string_view value) {
   check_key(Op::QueuePush, queue);
   check_value(Op::QueuePush, queue, value);
-  auto lock = lock_call();
+  const Call call = start_call(Op::QueuePush);
   Writer w = begin_locked(Op::QueuePush, Subject(queue, "queue "));
   w.bytes(queue);
   w.bytes(value);
@@ -193,7 +193,7 @@ int64_t Client::queue_push(std::string_view queue, std::string_view value) {
 
 int64_t Client::queue_len(std::string_view queue) {
   check_key(Op::QueueLen, queue);
-  auto lock = lock_call();
+  const Call call = start_call(Op::QueueLen);
   Writer w = begin_locked(Op::QueueLen, Subject(queue, "queue "));
   w.bytes(queue);
   const Reply r = exchange_locked(w, Op::QueueLen, kNotBlocking);
@@ -205,7 +205,7 @@ int64_t Client::queue_len(std::string_view queue) {
 }
 
 void Client::ping() {
-  auto lock = lock_call();
+  const Call call = start_call(Op::Ping);
   const uint64_t nonce = (static_cast<uint64_t>(rng_()) << 32) ^ rng_();
   Writer w = begin_locked(Op::Ping);
   w.u64(nonce);
@@ -218,7 +218,7 @@ void Client::ping() {
 }
 
 void Client::allow_peers(const std::vector<std::string>& addrs) {
-  auto lock = lock_call();
+  const Call call = start_call(Op::AllowPeers);
   Writer w = begin_locked(Op::AllowPeers);
   w.keys(addrs);
   const Reply r = exchange_locked(w, Op::AllowPeers, kNotBlocking);
@@ -228,7 +228,7 @@ void Client::allow_peers(const std::vector<std::string>& addrs) {
 }
 
 std::vector<std::pair<std::string, uint64_t>> Client::stats() {
-  auto lock = lock_call();
+  const Call call = start_call(Op::Stats);
   Writer w = begin_locked(Op::Stats);
   const Reply r = exchange_locked(w, Op::Stats, kNotBlocking);
   expect_ok_locked(r, Op::Stats, [] { return std::string(); });

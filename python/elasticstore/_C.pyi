@@ -10,7 +10,7 @@ Errors: until :func:`_set_error_types` is called, ``_C`` raises ``RuntimeError``
 registers its own classes (which subclass torch's ``DistStoreError``/``DistNetworkError``) at import.
 """
 
-from typing import Literal
+from typing import Literal, TypedDict
 
 _Key = str | bytes
 _Value = str | bytes
@@ -22,6 +22,20 @@ MAX_VALUE_BYTES: int
 MAX_KEYS_PER_REQUEST: int
 NO_TIMEOUT: float  # -1.0
 MAX_TOKEN_BYTES: int
+# The client's latency histogram: upper bounds in seconds (50 us to 60 s), and the outcomes.
+CLIENT_CALL_BUCKETS: tuple[float, ...]
+CLIENT_CALL_OUTCOMES: tuple[str, ...]  # ("ok", "timeout", "network", "error")
+
+class _CallStats(TypedDict):
+    op: str  # "set", "get", "compare_set", ..., "connect" (connecting, handshake included)
+    calls: dict[str, int]  # by outcome, every one of CLIENT_CALL_OUTCOMES
+    seconds: float  # total time of these calls
+    buckets: list[int]  # per bucket, not cumulative; len(CLIENT_CALL_BUCKETS) + 1 (last: above)
+
+def client_call_stats() -> list[_CallStats]:
+    """Calls of every Client of this process so far, per operation called at least once (by
+    opcode), counted where each call ends: ok (returned), timeout (the server answered TIMEOUT),
+    network (NetworkError), error (any other). Each counter is read on its own (no lock)."""
 
 def _set_error_types(
     *,

@@ -3,6 +3,7 @@
 ``Store`` is a ``torch.distributed.Store``; ``EtcdStore`` the same API on etcd v3 (the
 ``elasticstore[etcd]`` extra, imported on first use); ``StoreServer`` runs the native server in this
 process; ``import elasticstore`` also registers the ``elasticstore://`` init_method scheme.
+``client_call_stats()`` reports this process's store client calls (counts, outcomes, latency).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _C
+from .call_stats import ClientCallStats, client_call_stats
 from .errors import (
     AmbiguousOutcomeError,
     AuthenticationError,
@@ -32,6 +34,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "AmbiguousOutcomeError",
     "QueueEmptyError",
     "AuthenticationError",
+    "ClientCallStats",
     "ServerConfig",
     "ServerLimits",
     "Store",
@@ -42,6 +45,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "WatchCompactedError",
     "WatchEvent",
     "__version__",
+    "client_call_stats",
     "read_token_file",
 ]
 

@@ -48,6 +48,7 @@ except ImportError as exc:  # pragma: no cover (exercised without the extra)
     ) from exc
 
 from ._etcd_client import Connection, LeaseKeeper
+from .call_stats import etcd_recorded
 from ._etcd_sync import EtcdSyncMixin
 from ._etcd_txn import (
     _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end, _Reread,
@@ -376,3 +377,16 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
     def ping(self) -> None:
         self._read([], self._op_deadline(), "ping")
 
+
+# Each call is counted for elasticstore.client_call_stats() (backend "etcd"), under the native
+# client's operation names; compare_set, getNumKeys and deleteKey go through a counted method.
+for _method, _op in (
+    ("_open", "connect"), ("set", "set"), ("get", "get"), ("try_get", "try_get"), ("add", "add"),
+    ("compare_set_ex", "compare_set"), ("wait", "wait"), ("check", "check"),
+    ("num_keys", "num_keys"), ("delete_key", "delete_key"), ("append", "append"),
+    ("multi_get", "multi_get"), ("multi_set", "multi_set"), ("list_keys", "list_keys"),
+    ("watch", "watch"), ("ping", "ping"), ("barrier", "barrier"), ("queue_push", "queue_push"),
+    ("queue_pop", "queue_pop"), ("queue_len", "queue_len"),
+):
+    setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
+del _method, _op

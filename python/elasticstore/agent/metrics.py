@@ -1,22 +1,39 @@
 """Prometheus metrics of one agent (``elasticstore-run --metrics-port``), through
 ``prometheus-client`` (the ``metrics`` extra), on a registry of its own.
 
-=========================================== ========= ==========================================
-name                                        type      meaning
-=========================================== ========= ==========================================
-elasticstore_rounds_total                   counter   rounds this agent took part in
-elasticstore_rendezvous_duration_seconds    histogram join to ranks, per round
-elasticstore_restarts_total{cause}          counter   new rounds after the first, by cause
-                                                      (worker_failure, node_lost, node_joined)
-elasticstore_worker_exits_total{code}       counter   worker exits by exit code or signal name
-elasticstore_recovery_seconds               histogram end of a round to the next round's workers
-elasticstore_world_size                     gauge     workers in the current round
-=========================================== ========= ==========================================
+========================================================= ========= ================================
+name                                                      type      meaning
+========================================================= ========= ================================
+elasticstore_rounds_total                                 counter   rounds this agent took part in
+elasticstore_rendezvous_duration_seconds                  histogram join to ranks, per round
+elasticstore_restarts_total{cause}                        counter   new rounds after the first, by
+                                                                    cause (worker_failure,
+                                                                    node_lost, node_joined)
+elasticstore_worker_exits_total{code}                     counter   worker exits by exit code or
+                                                                    signal name
+elasticstore_recovery_seconds                             histogram end of a round to the next
+                                                                    round's workers
+elasticstore_world_size                                   gauge     workers in the current round
+elasticstore_store_client_calls_total{backend,op,outcome} counter   store client calls by backend
+                                                                    (native, etcd), operation (set,
+                                                                    get, add, compare_set, wait,
+                                                                    watch, ..., connect) and outcome
+                                                                    (ok, timeout, network, error)
+elasticstore_store_client_call_seconds{backend,op}        histogram their latency (buckets: 50 us to
+                                                                    60 s)
+========================================================= ========= ================================
+
+The store client's series are read at scrape time from
+:func:`elasticstore.client_call_stats` (every store of the agent's process: the rendezvous's and
+any other); an operation appears once it was called.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+from ..call_stats import CLIENT_CALL_BUCKETS, client_call_stats
 
 __all__ = ["AgentMetrics"]
 
@@ -46,6 +63,7 @@ class AgentMetrics:
                                  registry=reg)
         for cause in ("worker_failure", "node_lost", "node_joined"):
             self._restarts.labels(cause)
+        reg.register(_StoreClientCollector())
         self._server: Any = prom.start_http_server(port, addr=addr, registry=reg)
 
     def round(self, rendezvous_seconds: float, world_size: int) -> None:
@@ -66,3 +84,31 @@ class AgentMetrics:
         if isinstance(server, tuple):  # prometheus-client >= 0.17: (server, thread)
             server[0].shutdown()
             server[0].server_close()
+
+
+class _StoreClientCollector:
+    """The store client's counters (:func:`elasticstore.client_call_stats`), read per scrape."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        calls = CounterMetricFamily("elasticstore_store_client_calls",
+                                    "Store client calls by backend, operation and outcome",
+                                    labels=["backend", "op", "outcome"])
+        latency = HistogramMetricFamily("elasticstore_store_client_call_seconds",
+                                        "Store client call latency", labels=["backend", "op"])
+        bounds = [floatToGoString(b) for b in CLIENT_CALL_BUCKETS] + ["+Inf"]
+        for s in client_call_stats():
+            for outcome, n in s.calls.items():
+                calls.add_metric([s.backend, s.op, outcome], n)
+            cumulative, total = [], 0
+            for bound, n in zip(bounds, s.buckets):
+                total += n
+                cumulative.append((bound, total))
+            latency.add_metric([s.backend, s.op], cumulative, s.seconds)
+        yield calls
+        yield latency
+
+    def describe(self) -> list[Any]:
+        return []  # no fixed series: the registry does not check these names for clashes
