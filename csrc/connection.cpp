@@ -42,6 +42,17 @@ void Connection::fail(std::string reason, bool bad_input) {
   out_.clear();
 }
 
+// A failed read or write: the peer is unreachable when the kernel timed it out (no answer to
+// keepalive probes or retransmissions; with ICMP errors seen meanwhile it reports those instead).
+void Connection::io_failed(const char* op, int err) {
+  if (state_ == ConnState::Closing) return;
+  const bool lost = err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH;
+  fail(std::string(lost ? "peer unreachable (" : "") + op + " failed: " + std::strerror(err) +
+           (lost ? ")" : ""),
+       false);
+  peer_lost_ = lost;
+}
+
 // Returns the bytes the preamble used (0 while more are needed, or when it failed).
 std::size_t Connection::sniff(ConnectionHost& host, const char* data, std::size_t size) {
   const auto first = static_cast<uint8_t>(data[0]);
@@ -133,7 +144,7 @@ bool Connection::on_readable(ConnectionHost& host, char* scratch, std::size_t sc
   const ssize_t n = ::read(fd_, scratch, scratch_size);
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
-    fail(std::string("read failed: ") + std::strerror(errno), false);
+    io_failed("read", errno);
     return false;
   }
   if (n == 0) {
@@ -168,7 +179,7 @@ bool Connection::flush() {
     } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return true;
     } else {
-      fail(std::string("write failed: ") + std::strerror(errno), false);
+      io_failed("write", errno);
       return false;
     }
   }

@@ -51,6 +51,11 @@ Server::Impl::Impl(ServerConfig cfg)
   warn_if_exposed(ss);
   reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   scratch_.resize(kReadScratchBytes);
+  keepalive_note_ = keepalive_enabled(cfg_)
+      ? "no answer within " + std::to_string(keepalive_bound_ms(cfg_)) + " ms (keepalive: idle " +
+            std::to_string(cfg_.keepalive_idle_ms) + " ms, then " + std::to_string(cfg_.keepalive_count) +
+            " probes " + std::to_string(cfg_.keepalive_interval_ms) + " ms apart); its session ends"
+      : "keepalive is off (the kernel's retransmission limit ended it); its session ends";
   if (!loop_->add(listen_fd_, kReadable, &Impl::on_accept, this)) {
     const int err = errno;
     close_fds();
@@ -128,7 +133,8 @@ void Server::Impl::run() noexcept {
 std::array<uint64_t, kNumStats> Server::Impl::collect() const {
   return {conns_.size() - closing_.size(), kv_.num_keys(),   kv_.waiter_count(), kv_.revision(),
           kv_.queue_count(),    kv_.history_size(), bytes_buffered_, accepted_,
-          refused_,             closed_bad_input_, requests_, kv_.barrier_count()};
+          refused_,             closed_bad_input_, requests_, kv_.barrier_count(),
+          closed_peer_lost_};
 }
 
 void Server::Impl::publish() noexcept {

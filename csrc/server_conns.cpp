@@ -134,8 +134,14 @@ void Server::Impl::mark_closing(Connection* c) {
   c->queued_close = true;
   const bool quiet = c->close_reason() == "peer closed";
   if (c->bad_input()) ++closed_bad_input_;
-  log(c->bad_input() ? LogLevel::Warning : quiet ? LogLevel::Debug : LogLevel::Info,
-      "closing connection %s: %s", c->peer().c_str(), c->close_reason().c_str());
+  if (c->peer_lost()) {  // gone without FIN or RST: worth a warning, its session keys go now
+    ++closed_peer_lost_;
+    log(LogLevel::Warning, "closing connection %s: %s; %s", c->peer().c_str(),
+        c->close_reason().c_str(), keepalive_note_.c_str());
+  } else {
+    log(c->bad_input() ? LogLevel::Warning : quiet ? LogLevel::Debug : LogLevel::Info,
+        "closing connection %s: %s", c->peer().c_str(), c->close_reason().c_str());
+  }
   loop_->remove(c->fd());
   if (c->frame_timer) loop_->cancel_timer(c->frame_timer);
   if (c->handshake_timer) loop_->cancel_timer(c->handshake_timer);

@@ -34,6 +34,7 @@ inline constexpr const char* kStatNames[] = {
     "revision",         "queues",         "history_events",
     "bytes_buffered",   "connections_accepted", "connections_refused",
     "connections_closed_bad_input", "requests", "barriers",
+    "connections_closed_peer_lost",
 };
 inline constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
@@ -73,6 +74,7 @@ class Server::Impl final : public ConnectionHost {
   static void on_accept(EventLoop&, int, void* data, uint32_t);
   void accept_all();
   void out_of_fds(int err);
+  void set_keepalive(int fd, const std::string& peer) const;
 
   // server_conns.cpp
   static void on_conn_event(EventLoop&, int fd, void* data, uint32_t mask);
@@ -108,11 +110,13 @@ class Server::Impl final : public ConnectionHost {
   std::vector<Completion> batch_;
   std::vector<ConnId> ending_;        // sessions to end once the current drain batch is encoded
   std::vector<char> scratch_;
+  std::string keepalive_note_;  // how a lost peer was detected, for the log line
   bool draining_ = false;
   ConnId next_id_ = 1;
   EventLoop::TimerId waiter_timer_ = 0;
   uint64_t waiter_deadline_ = kNoDeadline;
   uint64_t bytes_buffered_ = 0, accepted_ = 0, refused_ = 0, closed_bad_input_ = 0, requests_ = 0;
+  uint64_t closed_peer_lost_ = 0;
   std::array<std::atomic<uint64_t>, kNumStats> published_{};
 
   std::mutex mu_;  // start/stop from any thread

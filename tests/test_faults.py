@@ -523,6 +523,102 @@ def test_half_open_client_mid_frame_is_closed_by_the_frame_timeout(net: None) ->
             _stop(proc)
 
 
+# --- a client gone silent: its session keys go within the keepalive bound ----------------------
+
+SESSION_HOLDER = """
+import sys, threading, time
+from datetime import timedelta
+import elasticstore
+host, ports = sys.argv[1], sys.argv[2:]
+for port in ports:  # per server: a session key, and a request blocked server-side (a waiter)
+    st = elasticstore.Store(host, int(port), timeout=timedelta(seconds=100))
+    st.set(f"eph/{port}", "held", ephemeral=True)
+    waiter = elasticstore.Store(host, int(port), timeout=timedelta(seconds=100))
+    threading.Thread(target=waiter.wait, args=(["never"],), daemon=True).start()
+    globals()[f"keep{port}"] = (st, waiter)
+print("bound", flush=True)
+time.sleep(100)
+"""
+
+FAST_KEEPALIVE = ("--keepalive-idle-ms", "1000", "--keepalive-interval-ms", "1000",
+                  "--keepalive-count", "2")  # a silent peer is closed after 1 + 2 * 1 = 3 s
+
+
+def test_silent_client_loses_its_session_within_the_keepalive_bound(net: None) -> None:
+    """A client in a namespace binds a session key and blocks in a wait on three servers: one
+    with fast keepalive (3 s), one with the default (10 s idle + 3 probes 2 s apart: 16 s), one
+    with keepalive off. Its link is then cut (iptables DROP: no FIN, no RST). The first two
+    close its connections (one warning each, naming the peer), dropping its keys and waiters
+    within their bounds; the third keeps them (the defect this detection removes)."""
+    bounds = {"fast": 3.0, "default": 16.0}
+    options = {"fast": FAST_KEEPALIVE, "default": (), "off": ("--keepalive-idle-ms", "0")}
+    with netfaults.node(6) as n:
+        servers: dict[str, tuple[subprocess.Popen[str], int]] = {}
+        holder: subprocess.Popen[str] | None = None
+        stores: dict[str, elasticstore.Store] = {}
+        try:
+            for name, opts in options.items():
+                servers[name] = _start_server(n.root_addr, options=opts)
+            holder = subprocess.Popen([*n.prefix(), sys.executable, "-c", SESSION_HOLDER,
+                                       n.root_addr, *(str(port) for _, port in servers.values())],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert holder.stdout is not None
+            line = holder.stdout.readline()  # bounded by the test timeout
+            assert line == "bound\n", (line, holder.stderr.read() if holder.stderr else "")
+            key = {name: f"eph/{port}" for name, (_, port) in servers.items()}
+            for name, (_, port) in servers.items():
+                stores[name] = elasticstore.Store(n.root_addr, port, timeout=timedelta(seconds=10))
+                assert stores[name].check([key[name]])
+                _until(lambda st=stores[name]: st.stats()["waiters"] == 1, 10)
+            cut, t0 = n.partition(), time.monotonic()
+            gone: dict[str, float] = {}  # both of the client's connections closed, key gone
+
+            def closed(name: str) -> bool:
+                stats = stores[name].stats()
+                return (stats["connections"], stats["waiters"], stats["keys"]) == (1, 0, 0)
+
+            while len(gone) < len(bounds) and time.monotonic() - t0 < max(bounds.values()) + 10:
+                for name in bounds:
+                    if name not in gone and closed(name):
+                        gone[name] = time.monotonic() - t0
+                time.sleep(0.02)
+            held = time.monotonic() - t0
+            assert set(gone) == set(bounds), f"keys still held {held:.1f}s after the cut: {gone}"
+            for name in bounds:
+                assert not stores[name].check([key[name]])
+                assert stores[name].stats()["connections_closed_peer_lost"] == 2, name
+                assert gone[name] < bounds[name] + 1.5, (name, gone)
+            assert gone["fast"] < gone["default"]
+            off = stores["off"].stats()
+            assert stores["off"].check([key["off"]]), "keepalive off: the key must still be held"
+            assert (off["connections"], off["waiters"], off["connections_closed_peer_lost"]) == (
+                3, 1, 0), off
+            for store in stores.values():
+                store.close()
+            stores.clear()
+            logs = {}
+            for name, (proc, _) in servers.items():
+                proc.send_signal(signal.SIGTERM)
+                logs[name] = proc.communicate(timeout=30)[1]
+            for name in bounds:
+                lost = [line for line in logs[name].splitlines() if "peer unreachable" in line]
+                assert len(lost) == 2 and all(f"closing connection {n.addr}:" in line
+                                              for line in lost), logs[name]
+            assert "peer unreachable" not in logs["off"], logs["off"]
+            print(f"\nclient's link cut (no FIN/RST): its session key and waiter gone after "
+                  f"{gone['fast']:.2f}s (keepalive 1 s idle + 2 x 1 s probes: bound 3 s), "
+                  f"{gone['default']:.2f}s (default 10 s + 3 x 2 s: bound 16 s); keepalive off: "
+                  f"still held after {held:.1f}s")
+            print("  " + lost[0].strip())
+        finally:
+            for store in stores.values():
+                store.close()
+            if holder is not None:
+                _stop(holder)
+            for proc, _ in servers.values():
+                _stop(proc)
+
+
 # --- etcd: a member lost during a round -------------------------------------------------------
 
 
