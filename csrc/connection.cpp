@@ -1,9 +1,12 @@
 #include "connection.hpp"
 
+#include <linux/tcp.h>  // struct tcp_info with tcpi_snd_wnd (not in glibc's netinet/tcp.h)
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "log.hpp"
@@ -42,14 +45,29 @@ void Connection::fail(std::string reason, bool bad_input) {
   out_.clear();
 }
 
-// A failed read or write: the peer is unreachable when the kernel timed it out (no answer to
-// keepalive probes or retransmissions; with ICMP errors seen meanwhile it reports those instead).
+namespace {
+
+// Whether the peer's last advertised receive window was zero (it stopped reading), when the
+// kernel tells (TCP_INFO's tcpi_snd_wnd, Linux 5.19+; false when it does not).
+bool window_closed(int fd) noexcept {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  return len >= offsetof(tcp_info, tcpi_snd_wnd) + sizeof info.tcpi_snd_wnd && info.tcpi_snd_wnd == 0;
+}
+
+}  // namespace
+
+// A failed read or write. ETIMEDOUT (or, with ICMP errors seen meanwhile, EHOSTUNREACH or
+// ENETUNREACH) means the kernel gave up on the peer: no answer to keepalive probes or to
+// retransmissions within the user timeout, or, for a peer that answers but keeps its receive
+// window closed (it stopped reading while replies were pending), no room for that long.
 void Connection::io_failed(const char* op, int err) {
   if (state_ == ConnState::Closing) return;
   const bool lost = err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH;
-  fail(std::string(lost ? "peer unreachable (" : "") + op + " failed: " + std::strerror(err) +
-           (lost ? ")" : ""),
-       false);
+  const char* what = !lost ? "" : window_closed(fd_) ? "peer stopped reading, its receive window "
+                                                       "stayed closed (" : "peer unreachable (";
+  fail(std::string(what) + op + " failed: " + std::strerror(err) + (lost ? ")" : ""), false);
   peer_lost_ = lost;
 }
 

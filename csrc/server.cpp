@@ -52,7 +52,7 @@ Server::Impl::Impl(ServerConfig cfg)
   reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   scratch_.resize(kReadScratchBytes);
   keepalive_note_ = keepalive_enabled(cfg_)
-      ? "no answer within " + std::to_string(keepalive_bound_ms(cfg_)) + " ms (keepalive: idle " +
+      ? "keepalive bound " + std::to_string(keepalive_bound_ms(cfg_)) + " ms (idle " +
             std::to_string(cfg_.keepalive_idle_ms) + " ms, then " + std::to_string(cfg_.keepalive_count) +
             " probes " + std::to_string(cfg_.keepalive_interval_ms) + " ms apart); its session ends"
       : "keepalive is off (the kernel's retransmission limit ended it); its session ends";

@@ -18,7 +18,9 @@ namespace elasticstore {
 // traffic the kernel probes every kKeepaliveIntervalMs and, after kKeepaliveCount unanswered
 // probes, reports the connection dead (ETIMEDOUT); TCP_USER_TIMEOUT of the same total bounds data
 // the peer never acknowledges. A peer gone without FIN or RST (powered off, partitioned) is thus
-// closed, and its session keys dropped, within keepalive_bound_ms() (16 s by default).
+// closed, and its session keys dropped, within keepalive_bound_ms() (16 s by default). The user
+// timeout also closes a live peer whose receive window stays closed that long (it stopped reading
+// while replies were pending).
 inline constexpr uint32_t kKeepaliveIdleMs = 10'000;
 inline constexpr uint32_t kKeepaliveIntervalMs = 2'000;
 inline constexpr uint32_t kKeepaliveCount = 3;

@@ -345,6 +345,41 @@ def test_accepted_connections_carry_the_keepalive_timers() -> None:
                 assert len(timers) == 1 and 0 < timers[0] <= most, (limits, timers)
 
 
+def test_keepalive_keeps_idle_live_peers_and_closes_one_that_stopped_reading(
+    daemon_factory: type[Daemon],
+) -> None:
+    """With a 3 s keepalive bound (1 s idle, 2 probes 1 s apart): an idle but live client keeps
+    its connection and session key well past the bound (its kernel answers the probes), while
+    one that stops reading with replies pending (its receive window stays closed) is closed
+    after about the bound, logged as such; the user timeout that bounds unacknowledged data
+    bounds a closed window too."""
+    d = daemon_factory("--keepalive-idle-ms", "1000", "--keepalive-interval-ms", "1000",
+                       "--keepalive-count", "2")
+    with d.store() as idle, d.store() as other:
+        idle.set("eph/idle", "1", ephemeral=True)
+        other.set("big", b"x" * (1 << 20))
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
+        stuck.connect(("127.0.0.1", d.port))
+        stuck.sendall(b"ESTO" + frame(OP_HELLO, 1, struct.pack("<I", 1) + _bytes(b"stuck")))
+        stuck.sendall(b"".join(get_frame(10 + i, b"big", 0) for i in range(3)))  # never read
+        t0 = time.monotonic()
+        wait_stat(other, "connections", 3)  # stuck accepted
+        wait_stat(other, "connections", 2, within=20.0)  # idle and other: stuck was closed
+        closed = time.monotonic() - t0
+        time.sleep(max(0.0, 4.5 - closed))  # idle for 1.5x the bound, at least
+        assert idle.check(["eph/idle"]) and idle.get("eph/idle") == b"1"
+        assert other.stats()["connections_closed_peer_lost"] == 1
+        stuck.close()
+    log = d.stop()
+    print(f"\nkeepalive bound 3 s: a peer not reading closed after {closed:.2f}s; an idle live "
+          f"peer kept its session for {time.monotonic() - t0:.1f}s")
+    assert "peer stopped reading, its receive window stayed closed (write failed: Connection " \
+           "timed out); keepalive bound 3000 ms" in log, log
+    assert log.count("keepalive bound") == 1, log
+    assert closed < 3.0 + 2.0
+
+
 def test_python_server_command_takes_the_limit_flags() -> None:
     cli = os.path.join(sysconfig.get_path("scripts"), "elasticstore")
     done = subprocess.run([cli, "server", "--port", "0", "--max-stored-keys", "0"],
