@@ -530,12 +530,13 @@ import sys, threading, time
 from datetime import timedelta
 import elasticstore
 host, ports = sys.argv[1], sys.argv[2:]
-for port in ports:  # per server: a session key, and a request blocked server-side (a waiter)
+for port in ports:  # per server: a session key and two blocked waits, each on its own connection
     st = elasticstore.Store(host, int(port), timeout=timedelta(seconds=100))
     st.set(f"eph/{port}", "held", ephemeral=True)
-    waiter = elasticstore.Store(host, int(port), timeout=timedelta(seconds=100))
-    threading.Thread(target=waiter.wait, args=(["never"],), daemon=True).start()
-    globals()[f"keep{port}"] = (st, waiter)
+    waits = [elasticstore.Store(host, int(port), timeout=timedelta(seconds=100)) for _ in range(2)]
+    for w, key in zip(waits, ("never", "wake")):
+        threading.Thread(target=w.wait, args=([key],), daemon=True).start()
+    globals()[f"keep{port}"] = (st, waits)
 print("bound", flush=True)
 time.sleep(100)
 """
@@ -545,11 +546,13 @@ FAST_KEEPALIVE = ("--keepalive-idle-ms", "1000", "--keepalive-interval-ms", "100
 
 
 def test_silent_client_loses_its_session_within_the_keepalive_bound(net: None) -> None:
-    """A client in a namespace binds a session key and blocks in a wait on three servers: one
-    with fast keepalive (3 s), one with the default (10 s idle + 3 probes 2 s apart: 16 s), one
-    with keepalive off. Its link is then cut (iptables DROP: no FIN, no RST). The first two
-    close its connections (one warning each, naming the peer), dropping its keys and waiters
-    within their bounds; the third keeps them (the defect this detection removes)."""
+    """A client in a namespace binds a session key and blocks in two waits (three connections)
+    on three servers: one with fast keepalive (3 s), one with the default (10 s idle + 3 probes
+    2 s apart: 16 s), one with keepalive off. Its link is then cut (iptables DROP: no FIN, no
+    RST) and one of its waits is woken, so that its reply is never acknowledged (keepalive does
+    not probe while data is in flight: the user timeout ends that one). The first two servers
+    close all three connections (one warning each, naming the peer), dropping its key and
+    waiters within their bounds; the third keeps them (the defect this detection removes)."""
     bounds = {"fast": 3.0, "default": 16.0}
     options = {"fast": FAST_KEEPALIVE, "default": (), "off": ("--keepalive-idle-ms", "0")}
     with netfaults.node(6) as n:
@@ -569,13 +572,15 @@ def test_silent_client_loses_its_session_within_the_keepalive_bound(net: None) -
             for name, (_, port) in servers.items():
                 stores[name] = elasticstore.Store(n.root_addr, port, timeout=timedelta(seconds=10))
                 assert stores[name].check([key[name]])
-                _until(lambda st=stores[name]: st.stats()["waiters"] == 1, 10)
+                _until(lambda st=stores[name]: st.stats()["waiters"] == 2, 10)
             cut, t0 = n.partition(), time.monotonic()
+            for store in stores.values():
+                store.set("wake", "1")  # the reply to its wait goes out after the cut
             gone: dict[str, float] = {}  # both of the client's connections closed, key gone
 
             def closed(name: str) -> bool:
                 stats = stores[name].stats()
-                return (stats["connections"], stats["waiters"], stats["keys"]) == (1, 0, 0)
+                return (stats["connections"], stats["waiters"], stats["keys"]) == (1, 0, 1)
 
             while len(gone) < len(bounds) and time.monotonic() - t0 < max(bounds.values()) + 10:
                 for name in bounds:
@@ -586,13 +591,13 @@ def test_silent_client_loses_its_session_within_the_keepalive_bound(net: None) -
             assert set(gone) == set(bounds), f"keys still held {held:.1f}s after the cut: {gone}"
             for name in bounds:
                 assert not stores[name].check([key[name]])
-                assert stores[name].stats()["connections_closed_peer_lost"] == 2, name
+                assert stores[name].stats()["connections_closed_peer_lost"] == 3, name
                 assert gone[name] < bounds[name] + 1.5, (name, gone)
             assert gone["fast"] < gone["default"]
             off = stores["off"].stats()
             assert stores["off"].check([key["off"]]), "keepalive off: the key must still be held"
             assert (off["connections"], off["waiters"], off["connections_closed_peer_lost"]) == (
-                3, 1, 0), off
+                4, 1, 0), off
             for store in stores.values():
                 store.close()
             stores.clear()
@@ -602,10 +607,11 @@ def test_silent_client_loses_its_session_within_the_keepalive_bound(net: None) -
                 logs[name] = proc.communicate(timeout=30)[1]
             for name in bounds:
                 lost = [line for line in logs[name].splitlines() if "peer unreachable" in line]
-                assert len(lost) == 2 and all(f"closing connection {n.addr}:" in line
+                assert len(lost) == 3 and all(f"closing connection {n.addr}:" in line
                                               for line in lost), logs[name]
             assert "peer unreachable" not in logs["off"], logs["off"]
-            print(f"\nclient's link cut (no FIN/RST): its session key and waiter gone after "
+            print(f"\nclient's link cut (no FIN/RST): its session key, waiter and unacknowledged "
+                  f"reply gone after "
                   f"{gone['fast']:.2f}s (keepalive 1 s idle + 2 x 1 s probes: bound 3 s), "
                   f"{gone['default']:.2f}s (default 10 s + 3 x 2 s: bound 16 s); keepalive off: "
                   f"still held after {held:.1f}s")
