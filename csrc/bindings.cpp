@@ -34,6 +34,7 @@ class PyServer {
            std::size_t max_connection_buffer_bytes, std::size_t max_buffered_bytes,
            std::size_t max_waiters_per_connection, std::size_t max_stored_keys,
            std::size_t max_stored_bytes, uint32_t frame_timeout_ms, uint32_t handshake_timeout_ms,
+           uint32_t keepalive_idle_ms, uint32_t keepalive_interval_ms, uint32_t keepalive_count,
            const std::string& token, const std::vector<std::string>& allow_unauthenticated_from,
            const std::vector<std::string>& allowed_peers, bool allow_loopback) {
     if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
@@ -54,6 +55,9 @@ class PyServer {
     config.limits.max_stored_bytes = max_stored_bytes;
     config.frame_timeout_ms = frame_timeout_ms;
     config.handshake_timeout_ms = handshake_timeout_ms;
+    config.keepalive_idle_ms = keepalive_idle_ms;
+    config.keepalive_interval_ms = keepalive_interval_ms;
+    config.keepalive_count = keepalive_count;
     if (!token.empty() && !es::token_problem(token).empty())
       throw py::value_error(es::token_problem(token));
     config.token = token;
@@ -180,7 +184,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyServer>(m, "Server")
       .def(py::init<const std::string&, int, int, std::size_t, const std::string&, std::size_t,
                     std::size_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t,
-                    std::size_t, std::size_t, uint32_t, uint32_t, const std::string&,
+                    std::size_t, std::size_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t,
+                    const std::string&,
                     const std::vector<std::string>&, const std::vector<std::string>&, bool>(),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("backlog") = 0, py::arg("max_connections") = es::kDefaultMaxConnections,
@@ -194,7 +199,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("max_stored_keys") = es::kDefaultMaxStoredKeys,
            py::arg("max_stored_bytes") = es::kDefaultMaxStoredBytes,
            py::arg("frame_timeout_ms") = es::kFrameTimeoutMs,
-           py::arg("handshake_timeout_ms") = es::kHandshakeTimeoutMs, py::arg("token") = "",
+           py::arg("handshake_timeout_ms") = es::kHandshakeTimeoutMs,
+           py::arg("keepalive_idle_ms") = es::kKeepaliveIdleMs,
+           py::arg("keepalive_interval_ms") = es::kKeepaliveIntervalMs,
+           py::arg("keepalive_count") = es::kKeepaliveCount, py::arg("token") = "",
            py::arg("allow_unauthenticated_from") = std::vector<std::string>{},
            py::arg("allowed_peers") = std::vector<std::string>{}, py::arg("allow_loopback") = true)
       .def_property_readonly("requires_token", [](PyServer& s) { return s.get().requires_token(); })

@@ -1,9 +1,12 @@
 #include "connection.hpp"
 
+#include <linux/tcp.h>  // struct tcp_info with tcpi_snd_wnd (not in glibc's netinet/tcp.h)
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "log.hpp"
@@ -40,6 +43,32 @@ void Connection::fail(std::string reason, bool bad_input) {
   set_state(ConnState::Closing);
   in_.clear();
   out_.clear();
+}
+
+namespace {
+
+// Whether the peer's last advertised receive window was zero (it stopped reading), when the
+// kernel tells (TCP_INFO's tcpi_snd_wnd, Linux 5.19+; false when it does not).
+bool window_closed(int fd) noexcept {
+  tcp_info info{};
+  socklen_t len = sizeof info;
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  return len >= offsetof(tcp_info, tcpi_snd_wnd) + sizeof info.tcpi_snd_wnd && info.tcpi_snd_wnd == 0;
+}
+
+}  // namespace
+
+// A failed read or write. ETIMEDOUT (or, with ICMP errors seen meanwhile, EHOSTUNREACH or
+// ENETUNREACH) means the kernel gave up on the peer: no answer to keepalive probes or to
+// retransmissions within the user timeout, or, for a peer that answers but keeps its receive
+// window closed (it stopped reading while replies were pending), no room for that long.
+void Connection::io_failed(const char* op, int err) {
+  if (state_ == ConnState::Closing) return;
+  const bool lost = err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH;
+  const char* what = !lost ? "" : window_closed(fd_) ? "peer stopped reading, its receive window "
+                                                       "stayed closed (" : "peer unreachable (";
+  fail(std::string(what) + op + " failed: " + std::strerror(err) + (lost ? ")" : ""), false);
+  peer_lost_ = lost;
 }
 
 // Returns the bytes the preamble used (0 while more are needed, or when it failed).
@@ -133,7 +162,7 @@ bool Connection::on_readable(ConnectionHost& host, char* scratch, std::size_t sc
   const ssize_t n = ::read(fd_, scratch, scratch_size);
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
-    fail(std::string("read failed: ") + std::strerror(errno), false);
+    io_failed("read", errno);
     return false;
   }
   if (n == 0) {
@@ -168,7 +197,7 @@ bool Connection::flush() {
     } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       return true;
     } else {
-      fail(std::string("write failed: ") + std::strerror(errno), false);
+      io_failed("write", errno);
       return false;
     }
   }

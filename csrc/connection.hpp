@@ -75,6 +75,9 @@ class Connection {
   std::size_t buffered_bytes() const noexcept { return in_.size() + out_.size(); }
   const std::string& close_reason() const noexcept { return close_reason_; }
   bool bad_input() const noexcept { return bad_input_; }
+  // The kernel gave up on the peer (ETIMEDOUT, EHOSTUNREACH, ENETUNREACH from a read or write):
+  // keepalive probes or retransmissions went unanswered. It is gone without FIN or RST.
+  bool peer_lost() const noexcept { return peer_lost_; }
   void fail(std::string reason, bool bad_input);
 
   // Server bookkeeping.
@@ -90,6 +93,7 @@ class Connection {
  private:
   std::size_t handle(ConnectionHost& host, const char* data, std::size_t size);
   std::size_t sniff(ConnectionHost& host, const char* data, std::size_t size);
+  void io_failed(const char* op, int err);
 
   int fd_;
   ConnId id_;
@@ -101,6 +105,7 @@ class Connection {
   Buffer out_;
   std::string close_reason_;
   bool bad_input_ = false;
+  bool peer_lost_ = false;
   bool progressed_ = false;
   bool held_ = false;  // in_ starts with requests not handled because of a pause
 };

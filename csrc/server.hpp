@@ -14,6 +14,20 @@
 
 namespace elasticstore {
 
+// Dead-peer detection on every accepted connection (TCP keepalive): after kKeepaliveIdleMs without
+// traffic the kernel probes every kKeepaliveIntervalMs and, after kKeepaliveCount unanswered
+// probes, reports the connection dead (ETIMEDOUT); TCP_USER_TIMEOUT of the same total bounds data
+// the peer never acknowledges. A peer gone without FIN or RST (powered off, partitioned) is thus
+// closed, and its session keys dropped, within keepalive_bound_ms() (16 s by default). The user
+// timeout also closes a live peer whose receive window stays closed that long (it stopped reading
+// while replies were pending).
+inline constexpr uint32_t kKeepaliveIdleMs = 10'000;
+inline constexpr uint32_t kKeepaliveIntervalMs = 2'000;
+inline constexpr uint32_t kKeepaliveCount = 3;
+// The kernel counts keepalive times in whole seconds, up to these.
+inline constexpr uint32_t kKeepaliveMaxMs = 32'767'000;  // TCP_MAX_KEEPIDLE, TCP_MAX_KEEPINTVL
+inline constexpr uint32_t kKeepaliveMaxCount = 127;      // TCP_MAX_KEEPCNT
+
 // Every limit defaults to its named constant (protocol.hpp); docs/protocol.md lists them. Server's
 // constructor refuses (std::invalid_argument, naming the field) a value outside its range:
 // validate_config() below.
@@ -29,6 +43,12 @@ struct ServerConfig {
   uint32_t frame_timeout_ms = kFrameTimeoutMs;
   // Time from accept until the handshake is done (native HELLO, torch's VALIDATE).
   uint32_t handshake_timeout_ms = kHandshakeTimeoutMs;
+  // Dead-peer detection (above). Idle and interval: whole seconds in ms, 1000..kKeepaliveMaxMs;
+  // count 1..kKeepaliveMaxCount. Any of the three 0: off (a silent peer then holds its
+  // connection and session keys until the kernel's own limits, hours for an idle one).
+  uint32_t keepalive_idle_ms = kKeepaliveIdleMs;
+  uint32_t keepalive_interval_ms = kKeepaliveIntervalMs;
+  uint32_t keepalive_count = kKeepaliveCount;
   // Budget of bytes buffered across connections (unfinished requests plus unsent replies); a
   // connection that would take the total past it is closed.
   std::size_t max_buffered_bytes = kMaxBufferedBytes;
@@ -52,6 +72,11 @@ struct ServerConfig {
 
 // Throws std::invalid_argument naming the field and its range when a value is out of range.
 void validate_config(const ServerConfig& config);
+
+// Whether dead-peer detection is on, and the time after which a silent peer's connection is
+// closed: idle + interval * count ms (0 when off). Also its TCP_USER_TIMEOUT.
+bool keepalive_enabled(const ServerConfig& config) noexcept;
+uint64_t keepalive_bound_ms(const ServerConfig& config) noexcept;
 
 class Server {
  public:

@@ -15,7 +15,25 @@ void in_range(const char* field, std::size_t v, std::size_t lo, std::size_t hi) 
                               std::to_string(hi) + "]");
 }
 
+// 0 (off), or whole seconds in ms within [1000, kKeepaliveMaxMs].
+void keepalive_ms(const char* field, uint32_t v) {
+  if (v == 0 || (v >= 1000 && v <= kKeepaliveMaxMs && v % 1000 == 0)) return;
+  throw std::invalid_argument(std::string("ServerConfig.") + field + " = " + std::to_string(v) +
+                              " is not 0 (off) nor a whole number of seconds in [1000, " +
+                              std::to_string(kKeepaliveMaxMs) +
+                              "] ms (TCP keepalive counts whole seconds)");
+}
+
 }  // namespace
+
+bool keepalive_enabled(const ServerConfig& c) noexcept {
+  return c.keepalive_idle_ms != 0 && c.keepalive_interval_ms != 0 && c.keepalive_count != 0;
+}
+
+uint64_t keepalive_bound_ms(const ServerConfig& c) noexcept {
+  if (!keepalive_enabled(c)) return 0;
+  return uint64_t{c.keepalive_idle_ms} + uint64_t{c.keepalive_interval_ms} * c.keepalive_count;
+}
 
 void validate_config(const ServerConfig& c) {
   constexpr std::size_t kHuge = std::size_t{1} << 50;
@@ -31,6 +49,12 @@ void validate_config(const ServerConfig& c) {
   in_range("max_waiters_per_connection", c.limits.max_waiters_per_connection, 1, kHuge);
   in_range("max_stored_keys", c.limits.max_stored_keys, 1, kHuge);
   in_range("max_stored_bytes", c.limits.max_stored_bytes, 1, kHuge);
+  keepalive_ms("keepalive_idle_ms", c.keepalive_idle_ms);
+  keepalive_ms("keepalive_interval_ms", c.keepalive_interval_ms);
+  if (c.keepalive_count > kKeepaliveMaxCount)
+    throw std::invalid_argument("ServerConfig.keepalive_count = " + std::to_string(c.keepalive_count) +
+                                " is not 0 (off) nor in [1, " + std::to_string(kKeepaliveMaxCount) +
+                                "] (the kernel's TCP_MAX_KEEPCNT)");
 }
 
 }  // namespace elasticstore

@@ -58,7 +58,13 @@ const char* const kUsage =
     "  --max-stored-keys N              keys plus queued items stored [16777216]\n"
     "  --max-stored-bytes N             their key and value bytes [4294967296]\n"
     "  --frame-timeout-ms N             time to finish a request once started [30000]\n"
-    "  --handshake-timeout-ms N         time from connect to the end of the handshake [10000]\n";
+    "  --handshake-timeout-ms N         time from connect to the end of the handshake [10000]\n"
+    "\n"
+    "Dead peers (TCP keepalive; a peer gone without FIN/RST is closed and its session keys\n"
+    "dropped after idle + interval * count ms, 16 s by default; 0 in any of them: off):\n"
+    "  --keepalive-idle-ms N            silence before the first probe, whole seconds [10000]\n"
+    "  --keepalive-interval-ms N        between probes, whole seconds [2000]\n"
+    "  --keepalive-count N              unanswered probes that end it, 0..127 [3]\n";
 
 constexpr long long kHuge = 1LL << 50;
 
@@ -120,6 +126,14 @@ bool parse_limit(ServerConfig& cfg, const std::string& flag, const std::string& 
     cfg.frame_timeout_ms = ms();
   } else if (flag == "--handshake-timeout-ms") {
     cfg.handshake_timeout_ms = ms();
+  } else if (flag == "--keepalive-idle-ms" || flag == "--keepalive-interval-ms") {
+    const auto t = static_cast<uint32_t>(
+        parse_int(flag, v, 0, kKeepaliveMaxMs, "0 (off) or milliseconds in 1000..32767000"));
+    if (t % 1000 != 0) bad_flag(flag, value + " is not a whole number of seconds (TCP keepalive counts seconds)");
+    (flag == "--keepalive-idle-ms" ? cfg.keepalive_idle_ms : cfg.keepalive_interval_ms) = t;
+  } else if (flag == "--keepalive-count") {
+    cfg.keepalive_count =
+        static_cast<uint32_t>(parse_int(flag, v, 0, kKeepaliveMaxCount, "0 (off) or a count in 1..127"));
   } else {
     return false;
   }

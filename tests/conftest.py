@@ -1,4 +1,5 @@
-"""Shared fixtures: real servers on loopback, and the registry of store kinds."""
+"""Shared fixtures: real servers on loopback, the registry of store kinds, and simulated network
+nodes (``net``, for the fault tests)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,18 @@ def store(server: object) -> Iterator[object]:
         server.host, server.port, timeout=store_kinds.DEFAULT_TIMEOUT  # type: ignore[attr-defined]
     ) as st:
         yield st
+
+
+@pytest.fixture
+def net() -> Iterator[None]:
+    """Skips without root/namespaces/iptables (``netfaults.py``); afterwards checks no namespace
+    or veth is left."""
+    import netfaults
+
+    reason = netfaults.available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        yield
+    finally:
+        assert netfaults.leftovers() == [], "a namespace or veth was left behind"

@@ -5,6 +5,8 @@ are served and nothing stored is lost."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import struct
@@ -133,6 +135,10 @@ def wait_stat(store: Store, name: str, value: int, within: float = 10.0) -> None
         ("--max-connections-per-peer", "0", ">= 1"),
         ("--max-stored-keys", "-1", ">= 1"),
         ("--handshake-timeout-ms", "0", "milliseconds"),
+        ("--keepalive-idle-ms", "500", "whole number of seconds"),
+        ("--keepalive-interval-ms", "-1000", "0 (off)"),
+        ("--keepalive-idle-ms", "40000000", "1000..32767000"),
+        ("--keepalive-count", "128", "1..127"),
     ],
 )
 def test_a_bad_limit_value_names_the_flag(flag: str, value: str, why: str) -> None:
@@ -146,7 +152,8 @@ def test_help_lists_every_limit_flag() -> None:
     for flag in ("--max-connections-per-peer", "--max-key-bytes", "--max-value-bytes",
                  "--max-keys-per-request", "--max-connection-buffer-bytes", "--max-buffered-bytes",
                  "--max-waiters-per-connection", "--max-stored-keys", "--max-stored-bytes",
-                 "--frame-timeout-ms", "--handshake-timeout-ms"):
+                 "--frame-timeout-ms", "--handshake-timeout-ms", "--keepalive-idle-ms",
+                 "--keepalive-interval-ms", "--keepalive-count"):
         assert flag in out
 
 
@@ -287,6 +294,90 @@ def test_store_server_takes_the_limits() -> None:
         StoreServer(limits=ServerLimits(max_key_bytes=10**6))  # over the protocol's ceiling
     with pytest.raises(ValueError, match="max_stored_keys"):
         ServerLimits(max_stored_keys=0)
+    for bad, match in (({"keepalive_interval_ms": 500}, "keepalive_interval_ms.*whole number of seconds"),
+                       ({"keepalive_idle_ms": 32_768_000}, "keepalive_idle_ms"),
+                       ({"keepalive_count": 128}, "keepalive_count must be 0 .off. or 1..127"),
+                       ({"keepalive_count": -1}, "keepalive_count must be an int >= 0")):
+        with pytest.raises(ValueError, match=match):
+            ServerLimits(**bad)
+    ServerLimits(keepalive_idle_ms=0, keepalive_interval_ms=0, keepalive_count=0)  # 0: off
+
+
+_SS_TIMER = re.compile(r"timer:\(keepalive,(?:(\d+)min)?(?:(\d+)(?:sec|\.))?(?:(\d+)ms)?,")
+
+
+def _keepalive_timers(port: int) -> list[float]:
+    """Seconds left on the keepalive timer of each server-side socket of ``port``, as ``ss``
+    shows the kernel's timers ("1min", "12sec", "9.688ms" for 9.688 s, "688ms"; 0.0: that
+    socket has no keepalive timer now)."""
+    out = subprocess.run(["ss", "-tno", "state", "established", f"sport = :{port}"],
+                         capture_output=True, text=True, timeout=30).stdout
+    timers = []
+    for line in (line for line in out.splitlines()[1:] if line.strip()):
+        m = _SS_TIMER.search(line)
+        minutes, secs, millis = (int(g or 0) for g in m.groups()) if m else (0, 0, 0)
+        timers.append(60.0 * minutes + secs + millis / 1000)
+    return timers
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_accepted_connections_carry_the_keepalive_timers() -> None:
+    """The server's end of each connection runs a keepalive timer of at most the idle time
+    (10 s by default, 3 s here), and none when keepalive is off (``ss`` shows the kernel's
+    timers)."""
+    from elasticstore import ServerLimits, StoreServer
+
+    for limits, most in ((ServerLimits(), 10.0), (ServerLimits(keepalive_idle_ms=3000), 3.0),
+                         (ServerLimits(keepalive_count=0), None)):
+        with StoreServer(limits=limits) as server, \
+                Store(server.host, server.port, timeout=timedelta(seconds=10)) as store:
+            store.set("k", "v", ephemeral=True)
+            timers: list[float] = []
+            deadline = time.monotonic() + (0.5 if most is None else 5.0)
+            while time.monotonic() < deadline:  # once the reply is acknowledged: no data in flight
+                timers = _keepalive_timers(server.port)
+                if most is not None and timers and all(t > 0 for t in timers):
+                    break
+                time.sleep(0.05)
+            if most is None:
+                assert timers == [0.0], timers
+            else:
+                assert len(timers) == 1 and 0 < timers[0] <= most, (limits, timers)
+
+
+def test_keepalive_keeps_idle_live_peers_and_closes_one_that_stopped_reading(
+    daemon_factory: type[Daemon],
+) -> None:
+    """With a 3 s keepalive bound (1 s idle, 2 probes 1 s apart): an idle but live client keeps
+    its connection and session key well past the bound (its kernel answers the probes), while
+    one that stops reading with replies pending (its receive window stays closed) is closed
+    after about the bound, logged as such; the user timeout that bounds unacknowledged data
+    bounds a closed window too."""
+    d = daemon_factory("--keepalive-idle-ms", "1000", "--keepalive-interval-ms", "1000",
+                       "--keepalive-count", "2")
+    with d.store() as idle, d.store() as other:
+        idle.set("eph/idle", "1", ephemeral=True)
+        other.set("big", b"x" * (1 << 20))
+        stuck = socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
+        stuck.connect(("127.0.0.1", d.port))
+        stuck.sendall(b"ESTO" + frame(OP_HELLO, 1, struct.pack("<I", 1) + _bytes(b"stuck")))
+        stuck.sendall(b"".join(get_frame(10 + i, b"big", 0) for i in range(3)))  # never read
+        t0 = time.monotonic()
+        wait_stat(other, "connections", 3)  # stuck accepted
+        wait_stat(other, "connections", 2, within=20.0)  # idle and other: stuck was closed
+        closed = time.monotonic() - t0
+        time.sleep(max(0.0, 4.5 - closed))  # idle for 1.5x the bound, at least
+        assert idle.check(["eph/idle"]) and idle.get("eph/idle") == b"1"
+        assert other.stats()["connections_closed_peer_lost"] == 1
+        stuck.close()
+    log = d.stop()
+    print(f"\nkeepalive bound 3 s: a peer not reading closed after {closed:.2f}s; an idle live "
+          f"peer kept its session for {time.monotonic() - t0:.1f}s")
+    assert "peer stopped reading, its receive window stayed closed (write failed: Connection " \
+           "timed out); keepalive bound 3000 ms" in log, log
+    assert log.count("keepalive bound") == 1, log
+    assert closed < 3.0 + 2.0
 
 
 def test_python_server_command_takes_the_limit_flags() -> None:
@@ -294,6 +385,10 @@ def test_python_server_command_takes_the_limit_flags() -> None:
     done = subprocess.run([cli, "server", "--port", "0", "--max-stored-keys", "0"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "argument --max-stored-keys: '0': must be >= 1" in done.stderr
+    done = subprocess.run([cli, "server", "--port", "0", "--keepalive-interval-ms", "1500"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "argument --keepalive-interval-ms: '1500': must be 0 (off) or whole seconds" in done.stderr
     server = subprocess.Popen([cli, "server", "--port", "0", "--max-stored-keys", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

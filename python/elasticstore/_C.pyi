@@ -74,6 +74,10 @@ class Server:
         max_stored_bytes: int = 4294967296,  # their key and value bytes
         frame_timeout_ms: int = 30000,  # time to finish a request once started
         handshake_timeout_ms: int = 10000,  # time from connect to the end of the handshake
+        # Dead peers (TCP keepalive): closed after idle + interval * count ms; whole seconds; 0: off.
+        keepalive_idle_ms: int = 10000,  # silence before the first probe
+        keepalive_interval_ms: int = 2000,  # between probes
+        keepalive_count: int = 3,  # unanswered probes that end the connection, at most 127
         token: str = "",  # "": no authentication; else 1..MAX_TOKEN_BYTES bytes
         allow_unauthenticated_from: list[str] = ...,  # CIDRs that may use torch's protocol
         allowed_peers: list[str] = ...,  # peers vouched for at start

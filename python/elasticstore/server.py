@@ -121,7 +121,8 @@ class StoreServer:
     torch's TCPStore protocol is served only to loopback (``allow_loopback``), the
     ``allowed_peers`` (see :meth:`allow_peer`) and the ``allow_unauthenticated_from`` CIDRs.
     Binding a non-loopback address without a token logs one warning. ``limits`` sets the
-    server's bounds (key and value sizes, buffers, stored keys and bytes, timeouts; see
+    server's bounds (key and value sizes, buffers, stored keys and bytes, timeouts, and how fast a
+    peer gone without FIN/RST is closed with its session keys: TCP keepalive, 16 s by default; see
     :class:`ServerLimits`); a value out of range raises ``ValueError`` naming it.
     """
 

@@ -182,3 +182,58 @@ TEST(out_of_range_config_is_refused_naming_the_field) {
   }
   CHECK(thrown);
 }
+
+namespace {
+// The message of the std::invalid_argument validate_config() throws for `cfg` ("" when none).
+std::string refusal(const ServerConfig& cfg) {
+  try {
+    validate_config(cfg);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+}  // namespace
+
+TEST(keepalive_config_whole_seconds_zero_is_off_and_the_bound) {
+  ServerConfig cfg = quiet_config();
+  CHECK(keepalive_enabled(cfg));
+  CHECK_EQ(keepalive_bound_ms(cfg), uint64_t{kKeepaliveIdleMs} + uint64_t{kKeepaliveIntervalMs} * kKeepaliveCount);
+  CHECK_EQ(keepalive_bound_ms(cfg), uint64_t{16'000});
+  CHECK_EQ(refusal(cfg), std::string());
+  cfg.keepalive_idle_ms = 1000;
+  cfg.keepalive_interval_ms = 1000;
+  cfg.keepalive_count = 2;
+  CHECK_EQ(keepalive_bound_ms(cfg), uint64_t{3000});
+  for (int which = 0; which < 3; ++which) {  // any of the three 0: off, and valid
+    ServerConfig off = cfg;
+    (which == 0 ? off.keepalive_idle_ms : which == 1 ? off.keepalive_interval_ms : off.keepalive_count) = 0;
+    CHECK(!keepalive_enabled(off));
+    CHECK_EQ(keepalive_bound_ms(off), uint64_t{0});
+    CHECK_EQ(refusal(off), std::string());
+  }
+  cfg.keepalive_idle_ms = kKeepaliveMaxMs;
+  cfg.keepalive_interval_ms = kKeepaliveMaxMs;
+  cfg.keepalive_count = kKeepaliveMaxCount;
+  CHECK_EQ(refusal(cfg), std::string());  // the kernel's ceilings are accepted
+
+  ServerConfig bad = quiet_config();
+  bad.keepalive_interval_ms = 500;  // the kernel counts whole seconds
+  CHECK(contains(refusal(bad), "keepalive_interval_ms = 500") && contains(refusal(bad), "whole number of seconds"));
+  bad = quiet_config();
+  bad.keepalive_idle_ms = kKeepaliveMaxMs + 1000;
+  CHECK(contains(refusal(bad), "keepalive_idle_ms"));
+  bad = quiet_config();
+  bad.keepalive_count = kKeepaliveMaxCount + 1;
+  CHECK(contains(refusal(bad), "keepalive_count = 128") && contains(refusal(bad), "0 (off)"));
+  bool thrown = false;
+  try {
+    Server srv(bad);
+  } catch (const std::invalid_argument& e) {
+    thrown = contains(e.what(), "keepalive_count");
+  }
+  CHECK(thrown);
+}

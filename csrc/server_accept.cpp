@@ -1,0 +1,132 @@
+// Accepting connections: the per-server and per-peer connection limits, socket options, and
+// pausing when the process runs out of file descriptors.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include "listener.hpp"
+#include "server_impl.hpp"
+
+namespace elasticstore {
+
+// Dead-peer detection (ServerConfig's keepalive fields): probes after the idle time, the count of
+// unanswered ones that ends the connection, and TCP_USER_TIMEOUT, so that data the peer never
+// acknowledges ends it within the same bound. With a user timeout the kernel ignores the count:
+// each time the keepalive timer fires it ends the connection once the peer has been silent for the
+// user timeout. The timer fires at idle + k * interval after the last packet received, a hair
+// short of that when measured, so a user timeout of exactly the bound would wait one more
+// interval; half an interval less ends it at the count-th interval, as without a user timeout.
+// A refused option is logged; the connection is served anyway.
+void Server::Impl::set_keepalive(int fd, const std::string& peer) const {
+  const int on = 1;
+  const int idle_s = static_cast<int>(cfg_.keepalive_idle_ms / 1000);
+  const int interval_s = static_cast<int>(cfg_.keepalive_interval_ms / 1000);
+  const int count = static_cast<int>(cfg_.keepalive_count);
+  const uint64_t user_timeout = keepalive_bound_ms(cfg_) - cfg_.keepalive_interval_ms / 2;
+  const unsigned user_timeout_ms = static_cast<unsigned>(std::min<uint64_t>(user_timeout, INT_MAX));
+  struct Option {
+    int level, name;
+    const void* value;
+    socklen_t size;
+    const char* label;
+  };
+  const Option options[] = {
+      {SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on, "SO_KEEPALIVE"},
+      {IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof idle_s, "TCP_KEEPIDLE"},
+      {IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof interval_s, "TCP_KEEPINTVL"},
+      {IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count, "TCP_KEEPCNT"},
+      {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms, "TCP_USER_TIMEOUT"},
+  };
+  for (const Option& o : options) {
+    if (::setsockopt(fd, o.level, o.name, o.value, o.size) == 0) continue;
+    log(LogLevel::Warning, "connection %s: cannot set %s (%s): a peer gone silent may hold it "
+        "longer than the keepalive bound", peer.c_str(), o.label, std::strerror(errno));
+    return;
+  }
+}
+
+void Server::Impl::on_accept(EventLoop&, int, void* data, uint32_t) {
+  static_cast<Impl*>(data)->accept_all();
+}
+
+void Server::Impl::accept_all() {
+  for (;;) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
+                             SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+        return out_of_fds(errno);
+      log(LogLevel::Error, "accept failed: %s", std::strerror(errno));
+      return;
+    }
+    std::string peer = numeric_address(ss, true);
+    std::string ip = numeric_address(ss, false);
+    if (conns_.size() >= cfg_.max_connections) {
+      log(LogLevel::Warning, "refusing connection %s: max_connections (%zu) reached", peer.c_str(),
+          cfg_.max_connections);
+      ::close(fd);
+      ++refused_;
+      continue;
+    }
+    std::size_t& from_peer = per_peer_[ip];
+    if (from_peer >= cfg_.max_connections_per_peer) {
+      log(LogLevel::Warning, "refusing connection %s: %zu connections from %s, the limit "
+          "(max_connections_per_peer)", peer.c_str(), from_peer, ip.c_str());
+      ::close(fd);
+      ++refused_;
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (keepalive_enabled(cfg_)) set_keepalive(fd, peer);
+    const ConnId id = next_id_++;
+    auto conn = std::make_unique<Connection>(fd, id, std::move(peer), cfg_.max_connection_buffer_bytes);
+    conn->peer_addr = ss;
+    if (!loop_->add(fd, kReadable, &Impl::on_conn_event, this)) {
+      log(LogLevel::Error, "cannot watch connection %s", conn->peer().c_str());
+      if (from_peer == 0) per_peer_.erase(ip);
+      continue;  // the Connection closes fd
+    }
+    ++from_peer;
+    conn->peer_ip = std::move(ip);
+    conn->handshake_timer =
+        loop_->add_timer(cfg_.handshake_timeout_ms, [this, id] { handshake_timeout(id); });
+    conn->events = kReadable;
+    if (by_fd_.size() <= static_cast<std::size_t>(fd)) by_fd_.resize(static_cast<std::size_t>(fd) + 1);
+    by_fd_[static_cast<std::size_t>(fd)] = conn.get();
+    kv_.open_session(id);
+    conns_.emplace(id, std::move(conn));
+    ++accepted_;
+  }
+}
+
+// Out of descriptors: the pending connection would make a level-triggered listener spin. Free
+// the reserve fd to accept and close it (the peer learns at once), then pause accepting.
+void Server::Impl::out_of_fds(int err) {
+  if (reserve_fd_ >= 0) {
+    ::close(reserve_fd_);
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      ::close(fd);
+      ++refused_;
+    }
+    reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+  log(LogLevel::Warning, "accept: %s; refusing connections for %llu ms", std::strerror(err),
+      static_cast<unsigned long long>(kAcceptBackoffMs));
+  loop_->modify(listen_fd_, 0);
+  loop_->add_timer(kAcceptBackoffMs, [this] { loop_->modify(listen_fd_, kReadable); });
+}
+
+}  // namespace elasticstore
