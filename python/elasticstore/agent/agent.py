@@ -76,7 +76,7 @@ class Agent:
         self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
             os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
-            settings.host, handler, metrics, self.s.nproc, clock)
+            settings.host, handler, metrics, self.s.nproc, clock, settings.role)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -115,6 +115,8 @@ class Agent:
                 signal.signal(sig, handler)
             sig_w.close()
             self._sig_r.close()
+            self.events.torch_event("STOPPED" if self._operator_stopped else
+                                    "SUCCEEDED" if code == 0 else "FAILED")
             self.events.close()
         verdict = self._verdict(code)
         say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
