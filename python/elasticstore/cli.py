@@ -152,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[client, job],
                             help="the server's counters, or a job's state with --rdzv-id")
     status.add_argument("--json", action="store_true", help="one JSON object")
-    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--watch", action="store_true",
+                        help="refresh until Ctrl-C (a live table on a terminal with rich installed)")
     status.add_argument("--interval", type=float, default=2.0, help="--watch: seconds")
     sub.add_parser("stop", parents=[client, job],
                    help="stop a job: close its rendezvous; every agent stops its workers")
@@ -209,18 +210,9 @@ def _job(args: argparse.Namespace) -> int:
     if not args.watch:
         print(render(job_status(addr)), flush=True)
         return 0
-    import time
+    from .ops.watch import watch
 
-    try:
-        for _ in range(1 << 40):
-            text = render(job_status(addr))
-            if sys.stdout.isatty():
-                sys.stdout.write("\x1b[H\x1b[2J")
-            print(text + "\n", flush=True)
-            time.sleep(max(args.interval, 0.1))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return watch(lambda: job_status(addr), args.interval)
 
 
 def _serve(args: argparse.Namespace) -> int:
