@@ -25,7 +25,6 @@ import os
 import selectors
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from . import drain
 from .config import AgentSettings
-from .envs import worker_env
+from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
@@ -218,19 +217,6 @@ class Agent:
         counts = [json.loads(v)["nproc"] for v in store.multi_get(keys)]
         return attempt, sum(counts[: info.rank]), sum(counts)
 
-    def _argv(self, local: int) -> tuple[list[str], str]:
-        args = list(self.s.args)
-        if self.s.legacy_local_rank_arg:
-            args = [f"--local-rank={local}", *args]
-        if self.s.kind == "exec":
-            return [self.s.entrypoint, *args], "exec"
-        if self.s.warm:
-            return [self.s.entrypoint, *args], self.s.kind
-        python = [sys.executable, "-u"]
-        if self.s.kind == "module":
-            return [*python, "-m", self.s.entrypoint, *args], "exec"
-        return [*python, self.s.entrypoint, *args], "exec"
-
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         assert self._server is not None
         if not self._server.alive():
@@ -243,7 +229,7 @@ class Agent:
             rank = base + local
             rank_dir = os.path.join(root, str(rank))
             error_file = os.path.join(rank_dir, "error.json")
-            argv, kind = self._argv(local)
+            argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
