@@ -13,7 +13,8 @@ from the fork server), the round must be replaced (a thread blocked in the handl
   participant finished (at most ``drain_timeout``, and it says so).
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
 - The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
-  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0.
+  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0; an agent hosting the
+  rendezvous store first serves until the others left (``drain.py``).
 
 Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
 """

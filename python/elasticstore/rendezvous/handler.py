@@ -175,15 +175,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
     def closed_reason(self) -> str | None:
         """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
         None when it is open or closed without a reason. Once this node saw the run closed (in
-        the event that ended its round), that reason, also when the store is gone since."""
-        try:
-            with self._guard():
-                data = self._backend.get(self._keys.closed)
-        except RendezvousConnectionError:
-            if self._stop_seen is not None:
-                return self._stop_seen
-            raise
-        return closed_reason_of(data) or (self._stop_seen if data is not None else None)
+        the event that ended its round), that reason, with no read: the store may be gone."""
+        if self._stop_seen is not None:
+            return self._stop_seen
+        with self._guard():
+            data = self._backend.get(self._keys.closed)
+        return closed_reason_of(data)
 
     def _saw_stop(self, reason: str) -> None:
         self._stop_seen = reason
