@@ -7,6 +7,7 @@
     elasticstore status --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--json|--watch]
     elasticstore metrics --metrics-port P [--metrics-addr A] [--addr HOST:PORT]
     elasticstore stop --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--timeout S]
+    elasticstore forget --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--force]
 
 ``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
 until SIGINT or SIGTERM. The client commands talk to ``--addr`` (default: ``$ELASTICSTORE_ADDR``,
@@ -151,10 +152,16 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[client, job],
                             help="the server's counters, or a job's state with --rdzv-id")
     status.add_argument("--json", action="store_true", help="one JSON object")
-    status.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    status.add_argument("--watch", action="store_true",
+                        help="refresh until Ctrl-C (a live table on a terminal with rich installed)")
     status.add_argument("--interval", type=float, default=2.0, help="--watch: seconds")
     sub.add_parser("stop", parents=[client, job],
                    help="stop a job: close its rendezvous; every agent stops its workers")
+    forget = sub.add_parser("forget", parents=[client, job],
+                            help="delete every key of a finished or stopped job, so its run id "
+                            "can be used again")
+    forget.add_argument("--force", action="store_true",
+                        help="also while agents of the job are alive")
     metrics = sub.add_parser("metrics", parents=[client],
                              help="serve a store server's counters as Prometheus text")
     metrics.add_argument("--metrics-port", type=_port, required=True)
@@ -177,7 +184,7 @@ def _metrics(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> int:
-    from .ops import JobAddress, job_status, render, stop_job
+    from .ops import JobAddress, forget_run, job_status, render, stop_job
 
     if not args.rdzv_id:
         print(f"elasticstore: {args.command}: --rdzv-id is required", file=sys.stderr)
@@ -192,24 +199,20 @@ def _job(args: argparse.Namespace) -> int:
         print(f"job {args.rdzv_id}: stopped by operator"
               + (f" (round {rnd.round}, {rnd.world_size} node(s))" if rnd else ""), flush=True)
         return 0
+    if args.command == "forget":
+        count = forget_run(addr, args.force)
+        print(f"job {args.rdzv_id}: forgot {count} key(s); the run id can be used again",
+              flush=True)
+        return 0
     if args.json:
         print(json.dumps(job_status(addr), sort_keys=True), flush=True)
         return 0
     if not args.watch:
         print(render(job_status(addr)), flush=True)
         return 0
-    import time
+    from .ops.watch import watch
 
-    try:
-        for _ in range(1 << 40):
-            text = render(job_status(addr))
-            if sys.stdout.isatty():
-                sys.stdout.write("\x1b[H\x1b[2J")
-            print(text + "\n", flush=True)
-            time.sleep(max(args.interval, 0.1))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return watch(lambda: job_status(addr), args.interval)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -280,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "metrics":
             return _metrics(args)
-        if args.command == "stop" or (args.command == "status" and (args.rdzv_id or args.json or args.watch)):
+        if args.command in ("stop", "forget") or (args.command == "status" and (args.rdzv_id or args.json or args.watch)):
             return _job(args)
         return _client(args)
     except OSError as exc:  # bind/listen failures: OSError(errno, message) without "[Errno N]"

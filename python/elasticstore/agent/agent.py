@@ -13,7 +13,8 @@ from the fork server), the round must be replaced (a thread blocked in the handl
   participant finished (at most ``drain_timeout``, and it says so).
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
 - The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
-  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0.
+  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0; an agent hosting the
+  rendezvous store first serves until the others left (``drain.py``).
 
 Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
 """
@@ -25,7 +26,6 @@ import os
 import selectors
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -35,10 +35,9 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from .._token import read_token_file
-from ..store import Store
+from . import drain
 from .config import AgentSettings
-from .envs import worker_env
+from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
@@ -73,10 +72,11 @@ class Agent:
         self._failures: list[Failure] = []
         self._shut = False
         self._operator_stopped = False
+        self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
         self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
             os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
-            settings.host, handler, metrics, self.s.nproc, clock)
+            settings.host, handler, metrics, self.s.nproc, clock, settings.role)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -94,6 +94,8 @@ class Agent:
             code = self._loop()
         except Exception as exc:
             if self._stopped_by_operator():
+                if self._rounds == 0:  # closed before this node's first round: a reused run id?
+                    say(f"[elasticstore-run] {exc}")
                 code = self._operator_stop()
             else:
                 say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
@@ -105,12 +107,16 @@ class Agent:
             # thread, interrupted by a signal, still uses it).
             if not self._shut and not (self._rdzv_thread and self._rdzv_thread.is_alive()):
                 self.events.publish(state=self._verdict(code))
+                if self._closing:  # the others must still read why the run closed
+                    drain.serve_until_left(self.handler, self.s.drain_timeout, self._signalled)
             self._shutdown_handler()
             signal.set_wakeup_fd(old_fd)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             sig_w.close()
             self._sig_r.close()
+            self.events.torch_event("STOPPED" if self._operator_stopped else
+                                    "SUCCEEDED" if code == 0 else "FAILED")
             self.events.close()
         verdict = self._verdict(code)
         say(f"[elasticstore-run] job {self.s.run_id} on {self.s.host} {verdict}: {self._rounds} "
@@ -212,19 +218,6 @@ class Agent:
         counts = [json.loads(v)["nproc"] for v in store.multi_get(keys)]
         return attempt, sum(counts[: info.rank]), sum(counts)
 
-    def _argv(self, local: int) -> tuple[list[str], str]:
-        args = list(self.s.args)
-        if self.s.legacy_local_rank_arg:
-            args = [f"--local-rank={local}", *args]
-        if self.s.kind == "exec":
-            return [self.s.entrypoint, *args], "exec"
-        if self.s.warm:
-            return [self.s.entrypoint, *args], self.s.kind
-        python = [sys.executable, "-u"]
-        if self.s.kind == "module":
-            return [*python, "-m", self.s.entrypoint, *args], "exec"
-        return [*python, self.s.entrypoint, *args], "exec"
-
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         assert self._server is not None
         if not self._server.alive():
@@ -237,7 +230,7 @@ class Agent:
             rank = base + local
             rank_dir = os.path.join(root, str(rank))
             error_file = os.path.join(rank_dir, "error.json")
-            argv, kind = self._argv(local)
+            argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
@@ -293,7 +286,7 @@ class Agent:
                             return self._failed("the fork server died", None)
                         if obj is wake_r:
                             sel.unregister(wake_r)
-                            if self._peers_done(info, attempt):
+                            if drain.peers_done(info, attempt, self.s.token_file):
                                 continue  # they finished: only our workers are left to finish
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
@@ -334,69 +327,20 @@ class Agent:
         except Exception:
             return 0
 
-    def _peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
-        """Whether another node finished (its leaving then ends the round). On a connection of
-        its own with a short deadline: the round's store may have gone with its host."""
-        boot = info.bootstrap_store_info
-        if boot is None:
-            return False
-        prefix, quick = f"elasticstore/agent/{attempt}/done/", timedelta(seconds=0.5)
-        try:
-            token = read_token_file(self.s.token_file) if self.s.token_file else None
-            with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick,
-                       token=token) as st:
-                return any(st.try_get(prefix + str(i)) is not None for i in range(info.world_size))
-        except Exception:
-            return False
-
     # -- the end ------------------------------------------------------------------------------
 
     def _finish(self, info: RendezvousInfo, attempt: int) -> None:
-        """Marks this node done (before it leaves, so the others never take its leaving for a
-        lost node); a store host serves until every other node is done and has left."""
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
         self.events.publish(state="succeeded")
-        prefix = f"elasticstore/agent/{attempt}/"
-        hosts = bool(getattr(self.handler, "hosts_store", info.rank == 0))
-        try:
-            info.store.set(prefix + f"done/{info.rank}", "host" if hosts else "node")
-            if not hosts:
-                store: Any = info.store
-                store = store.clone()
-                self._shutdown_handler()
-                store.set(prefix + f"left/{info.rank}", "1")
-                return
-        except Exception as exc:
-            say(f"[elasticstore-run] could not mark this node done: {exc}")
-            return
-        if info.world_size == 1:
-            return
-        say(f"[elasticstore-run] this node hosts a store: serving until all {info.world_size} "
-            f"nodes finished (at most {self.s.drain_timeout:g}s)")
-        done = [prefix + f"done/{i}" for i in range(info.world_size)]
-        if self._wait_keys(info, done):
-            marks = info.store.multi_get(done)
-            left = [prefix + f"left/{i}" for i, m in enumerate(marks) if m == b"node"]
-            if self._wait_keys(info, left):
-                return
-        say("[elasticstore-run] stopped serving: not every node finished in time")
+        drain.finish(info, attempt, self.handler, self.s.drain_timeout, self._clock,
+                     self._signalled, self._shutdown_handler)
 
-    def _wait_keys(self, info: RendezvousInfo, keys: list[str]) -> bool:
-        deadline = self._clock() + self.s.drain_timeout
-        for _ in range(1 << 20):
-            left = deadline - self._clock()
-            if left <= 0:
-                return False
-            try:
-                info.store.wait(keys, timedelta(seconds=min(1.0, left)))
-                return True
-            except Exception:
-                try:
-                    if self._sig_r.recv(64):
-                        return False
-                except BlockingIOError:
-                    pass
-        return False
+    def _signalled(self) -> bool:
+        """Whether a signal came (consumed: the caller gives up what it waits for)."""
+        try:
+            return bool(self._sig_r.recv(64))
+        except BlockingIOError:
+            return False
 
     def _shutdown_handler(self) -> None:
         if self._shut:
@@ -436,13 +380,14 @@ class Agent:
 
     def _operator_stop(self) -> int:
         say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")
-        self._operator_stopped = True
+        self._operator_stopped = self._closing = True
         self._stop_group(signal.SIGTERM)
         self.events.emit("stop", reason="stopped by operator")
         self.events.publish(state="stopped by operator")
         return 0
 
     def _close_rendezvous(self) -> None:
+        self._closing = True
         try:
             self.handler.set_closed()
         except Exception as exc:

@@ -1,14 +1,32 @@
-"""The environment of a worker: every variable torchrun sets, plus elasticstore's."""
+"""What a worker is started with: its command line, and its environment (every variable torchrun
+sets, plus elasticstore's)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
 from .config import AgentSettings
 
-__all__ = ["worker_env"]
+__all__ = ["worker_argv", "worker_env"]
+
+
+def worker_argv(s: AgentSettings, local: int) -> tuple[list[str], str]:
+    """(argv, kind) of local worker ``local``: the script or module for the fork server (warm
+    start), else a command to exec (python, or the entrypoint itself with --no-python)."""
+    args = list(s.args)
+    if s.legacy_local_rank_arg:
+        args = [f"--local-rank={local}", *args]
+    if s.kind == "exec":
+        return [s.entrypoint, *args], "exec"
+    if s.warm:
+        return [s.entrypoint, *args], s.kind
+    python = [sys.executable, "-u"]
+    if s.kind == "module":
+        return [*python, "-m", s.entrypoint, *args], "exec"
+    return [*python, s.entrypoint, *args], "exec"
 
 
 def worker_env(s: AgentSettings, info: RendezvousInfo, use_agent_store: bool, attempt: int,

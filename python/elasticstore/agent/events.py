@@ -6,6 +6,13 @@ Events: ``round_formed``, ``worker_started``, ``worker_exited``, ``restart`` (ca
 ``worker_failure``, ``node_lost`` or ``node_joined``), ``node_lost``, ``node_joined``, ``stop``,
 and ``torch`` (torch's own elastic events, with ``--event-log-handler``). Nothing here may fail the
 job: a write that fails is reported once and dropped.
+
+With ``--event-log-handler D`` (torchrun's flag) the agent also records what torch's own agent
+records, through ``torch.distributed.elastic.events`` to destination ``D`` (``console`` prints
+them, as torchrun does): ``torchelastic.worker.status.START`` per worker started, ``SUCCEEDED``,
+``FAILED`` or ``TERMINATED`` per worker exit, and the agent's ``SUCCEEDED``, ``FAILED`` or
+``STOPPED`` at its end. Every torch event for ``D`` is also routed into events.jsonl
+(``{"event": "torch", "torch": {...}}``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ class EventLog:
     interleave mid-line) and publishes the node's status through the handler."""
 
     def __init__(self, path: str | None, host: str, handler: Any, metrics: Any = None,
-                 nproc: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 nproc: int = 1, clock: Callable[[], float] = time.monotonic,
+                 role: str = "default") -> None:
         self._fd: int | None = None
         self._host, self._handler, self.metrics = host, handler, metrics
         self._nproc, self._clock = nproc, clock
@@ -37,6 +45,10 @@ class EventLog:
         self._ended_at: float | None = None  # when the last round ended here (time to recover)
         self._lock = threading.Lock()
         self._warned = False
+        self.torch_destination: str | None = None  # --event-log-handler (None: "null")
+        self._run_id, self._backend, self._role, self._started = "", "", role, clock()
+        if handler is not None:
+            self._run_id, self._backend = _call(handler, "get_run_id"), _call(handler, "get_backend")
         self.status: dict[str, Any] = {"host": host, "state": "starting", "failure_restarts": 0}
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -97,6 +109,8 @@ class EventLog:
         self.publish(state="running", round=number, group_rank=node_rank,
                      local_workers=self._nproc, ranks=list(ranks), formed_at=formed_at,
                      rendezvous_seconds=took, world_size=world)
+        for w in workers:
+            self.torch_event("START", w)
 
     def round_ended(self) -> None:
         self._ended_at = self._clock()
@@ -106,6 +120,8 @@ class EventLog:
         code = worker.exit_code
         self.emit("worker_exited", rank=worker.spec.rank, pid=worker.pid, exit_code=code,
                   how=signal_name(code) if code is not None else None, stopped=stopped)
+        state = "SUCCEEDED" if code == 0 else "TERMINATED" if stopped else "FAILED"
+        self.torch_event(state, worker, exit_code=code)
         if self.metrics is not None and code is not None:
             self.metrics.worker_exit(str(code) if code >= 0 else signal_name(code).split()[-1])
 
@@ -119,6 +135,35 @@ class EventLog:
             failure={"rank": f.rank, "local_rank": f.local_rank, "host": f.host, "pid": f.pid,
                      "exit_code": f.exit_code, "how": f.how, "when": f.when,
                      "message": f.message, "error_file": f.error_file})
+
+    def torch_event(self, state: str, worker: Worker | None = None,
+                    exit_code: int | None = None) -> None:
+        """Records ``torchelastic.worker.status.<state>`` (a worker's, or with no worker the
+        agent's) as torch's agent does, to ``torch_destination``."""
+        if self.torch_destination is None:
+            return
+        from torch.distributed.elastic.events import Event, EventSource, record
+
+        md: dict[str, Any] = {"group_world_size": self.status.get("world_size")}
+        meta: dict[str, Any] = {
+            "run_id": self._run_id, "global_rank": None, "group_rank": self.status.get("group_rank"),
+            "worker_id": None, "role": self._role, "hostname": self._host, "state": state,
+            "total_run_time": int(self._clock() - self._started), "rdzv_backend": self._backend,
+            "raw_error": None, "agent_restarts": self.status.get("failure_restarts"),
+            "duration_ms": None,
+        }
+        if worker is not None:
+            md.update(local_rank=worker.spec.local_rank, exit_code=exit_code, worker_pid=worker.pid)
+            meta.update(global_rank=worker.spec.rank, worker_id=str(worker.pid))
+        else:
+            meta["duration_ms"] = (self._clock() - self._started) * 1000
+        meta["metadata"] = json.dumps(md)
+        source = EventSource.WORKER if worker is not None else EventSource.AGENT
+        try:
+            record(Event(f"torchelastic.worker.status.{state}", source=source, metadata=meta),
+                   self.torch_destination)
+        except Exception as exc:
+            self._warn(f"--event-log-handler {self.torch_destination}: {exc}")
 
     def _warn(self, what: str) -> None:
         if not self._warned:
@@ -147,8 +192,17 @@ class TorchEventHandler(logging.Handler):
 
 
 def route_torch_events(log: EventLog, destination: str) -> None:
-    """Sends torch's events for ``destination`` to ``log`` (and keeps torch's own handler)."""
+    """Sends torch's events for ``destination`` to ``log`` (and keeps torch's own handler), and
+    makes the agent record torch's agent events there."""
     from torch.distributed.elastic import events as torch_events
 
     logger = torch_events._get_or_create_logger(destination)  # torch's per-destination logger
     logger.addHandler(TorchEventHandler(log))
+    log.torch_destination = destination
+
+
+def _call(handler: Any, name: str) -> str:
+    try:
+        return str(getattr(handler, name)())
+    except Exception:
+        return ""

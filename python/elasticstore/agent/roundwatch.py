@@ -13,7 +13,12 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from .logs import say
 
-__all__ = ["RoundWatcher"]
+__all__ = ["ROUND_WATCH_SLICE", "RoundWatcher"]
+
+# Seconds of one blocking watch on the round (``stop()`` ends it at once by closing its
+# connection). Long, so a watch is nearly always waiting in the server: the news that ends the
+# round (e.g. ``elasticstore stop``) reaches this node even when its store is gone right after.
+ROUND_WATCH_SLICE = 60.0
 
 
 class RoundWatcher:
@@ -41,7 +46,7 @@ class RoundWatcher:
             for _ in range(1 << 40):
                 if self._stop.is_set() or self._watch is None:
                     return
-                if self._watch.wait(1.0):
+                if self._watch.wait(ROUND_WATCH_SLICE):
                     self._notify()
                     return
         except Exception as exc:

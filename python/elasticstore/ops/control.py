@@ -76,7 +76,8 @@ def stop_job(addr: JobAddress) -> RoundState | None:
         store.set(keys.closed, json.dumps({"reason": STOP_REASON}))
         rnd = read_round(store, keys)
         if rnd is not None:
-            store.compare_set_ex(keys.restart(rnd.round), b"", json.dumps({"reason": STOP_REASON}))
+            store.compare_set_ex(keys.restart(rnd.round), b"",
+                                 json.dumps({"reason": STOP_REASON, "closed": STOP_REASON}))
         return rnd
     finally:
         store.close()

@@ -20,7 +20,7 @@ from typing import Any
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists, read_round
 
-__all__ = ["job_status", "render"]
+__all__ = ["MEMBER_COLUMNS", "footer_lines", "header_lines", "job_status", "member_rows", "render"]
 
 
 def _json(data: bytes | None) -> Any:
@@ -102,8 +102,11 @@ def _when(stamp: Any) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f" ({time.time() - stamp:.0f}s ago)"
 
 
-def render(st: dict[str, Any]) -> str:
-    """Plain text: the round, a member table, waiting/standby, restarts, failure, store."""
+MEMBER_COLUMNS = ("RANK", "NODE", "ADDR", "WORKERS", "STATE")
+
+
+def header_lines(st: dict[str, Any]) -> list[str]:
+    """The job, whether it is closed, and its round."""
     lines = [f"job {st['run_id']} at {st['endpoint']} ({st['backend']})"
              + (f": CLOSED ({st['closed']})" if st["closed"] else "")]
     rnd = st["round"]
@@ -114,14 +117,20 @@ def render(st: dict[str, Any]) -> str:
         lines.append(f"round {rnd['number']}: {rnd['world_size']} node(s), "
                      f"{rnd['workers'] or '?'} worker(s); formed {_when(rnd['formed_at'])}"
                      + (f", rendezvous took {took:.3f}s" if isinstance(took, (int, float)) else ""))
-    rows = [("RANK", "NODE", "ADDR", "WORKERS", "STATE")] + [
-        (str(m["group_rank"]), m["node"], m["addr"], str(m["local_workers"] or "?"),
-         m["state"] + ("" if m["alive"] else " (lost)")) for m in st["members"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"waiting: {', '.join(st['waiting']) or 'none'}; "
-                 f"standby: {', '.join(st['standby']) or 'none'}")
-    lines.append(f"restarts: {st['restarts']} (after failures: {st['failure_restarts']})")
+    return lines
+
+
+def member_rows(st: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per member, in MEMBER_COLUMNS order."""
+    return [(str(m["group_rank"]), m["node"], m["addr"], str(m["local_workers"] or "?"),
+             m["state"] + ("" if m["alive"] else " (lost)")) for m in st["members"]]
+
+
+def footer_lines(st: dict[str, Any]) -> list[str]:
+    """Waiting and standby nodes, restarts, the last failure, the store's health."""
+    lines = [f"waiting: {', '.join(st['waiting']) or 'none'}; "
+             f"standby: {', '.join(st['standby']) or 'none'}",
+             f"restarts: {st['restarts']} (after failures: {st['failure_restarts']})"]
     f = st["last_failure"]
     if f:
         lines.append(f"last failure: rank {f.get('rank')} on {f.get('host')}: "
@@ -130,4 +139,12 @@ def render(st: dict[str, Any]) -> str:
     health = st["store"]
     lines.append("store: " + (health["error"] if "error" in health else
                               ", ".join(f"{k} {v}" for k, v in sorted(health.items()))))
-    return "\n".join(lines)
+    return lines
+
+
+def render(st: dict[str, Any]) -> str:
+    """Plain text: the round, a member table, waiting/standby, restarts, failure, store."""
+    rows = [MEMBER_COLUMNS, *member_rows(st)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(MEMBER_COLUMNS))]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join([*header_lines(st), *table, *footer_lines(st)])

@@ -86,7 +86,7 @@ class Decider:
             if isinstance(action, decisions.Signal):
                 log.info("round %d: asking round %d to re-rendezvous (%s)",
                          target, target - 1, action.reason)
-                b.set(restart_key, json.dumps({"reason": action.reason}))
+                b.create(restart_key, json.dumps({"reason": action.reason}))
                 restart = True
                 continue
             until = self._deadline if action.until is None else min(action.until, self._deadline)
@@ -154,7 +154,7 @@ class RingWatcher:
                         break
             if not self._stop.is_set():
                 log.info("round %d: %s %s", self._rnd, reason, self._succ)
-                b.set(self._k.restart(self._rnd), json.dumps({"reason": f"{reason} {self._succ}"}))
+                b.create(self._k.restart(self._rnd), json.dumps({"reason": f"{reason} {self._succ}"}))
         except Exception as exc:
             if not self._stop.is_set():
                 log.warning("round %d: watching %s failed: %s", self._rnd, self._succ, exc)

@@ -18,9 +18,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import NoReturn
 
 from torch.distributed import Store as TorchStore
 from torch.distributed.elastic.rendezvous import (
@@ -37,6 +38,7 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
+from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
 from .executor import Decider, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
@@ -76,37 +78,6 @@ def _member_addrs(state: RoundState) -> list[str]:
     return addrs
 
 
-class RoundWatch:
-    """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once."""
-
-    def __init__(self, backend: StoreBackend, key: str) -> None:
-        self._b, self._key = backend, key
-
-    def wait(self, timeout: float) -> bool:
-        """True once the round must be replaced; False after ``timeout`` s or when closed."""
-        deadline = time.monotonic() + timeout
-        try:
-            rev = self._b.revision()
-            if self._b.get(self._key) is not None:
-                return True
-            while (left := deadline - time.monotonic()) > 0:
-                event = self._b.watch(self._key, rev, left)
-                if event is None:
-                    return False
-                rev = event.version
-                if event.key == self._key and event.kind == "set":
-                    return True
-            return False
-        except WatchCompactedError:
-            return self._b.get(self._key) is not None
-
-    def close(self) -> None:
-        try:
-            self._b.close()
-        except Exception:
-            pass
-
-
 class ElasticRendezvousHandler(RendezvousHandler):
     """See the module doc. Several handlers in one process are distinct nodes."""
 
@@ -124,6 +95,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
         self._lock = threading.Lock()
+        self._stop_seen: str | None = None  # the run's closing reason, once a watch saw it
         with self._guard():
             if backend.needs_heartbeat:
                 # The liveness key is bound to the heartbeat's own connection and refreshed
@@ -164,10 +136,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         deadline = start + self._settings.join_timeout
         with self._guard():
             self._leave_round()
-            if self.is_closed():
-                reason = self.closed_reason()
-                raise RendezvousClosedError(
-                    f"rendezvous {self._settings.run_id!r} is closed" + (f": {reason}" if reason else ""))
+            closed = self._backend.get(self._keys.closed)
+            if closed is not None:
+                self._closed_error(closed)
             if self._heartbeat is not None:
                 self._heartbeat.beat()  # back at once after a silence that got it deleted
             else:
@@ -203,16 +174,25 @@ class ElasticRendezvousHandler(RendezvousHandler):
 
     def closed_reason(self) -> str | None:
         """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
-        None when it is open or closed without a reason."""
+        None when it is open or closed without a reason. Once this node saw the run closed (in
+        the event that ended its round), that reason, with no read: the store may be gone."""
+        if self._stop_seen is not None:
+            return self._stop_seen
         with self._guard():
             data = self._backend.get(self._keys.closed)
-        if data is None:
-            return None
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return None
-        return str(obj["reason"]) if isinstance(obj, dict) and "reason" in obj else None
+        return closed_reason_of(data)
+
+    def _saw_stop(self, reason: str) -> None:
+        self._stop_seen = reason
+
+    def _closed_error(self, closed: bytes) -> NoReturn:
+        reason = closed_reason_of(closed)
+        if reason is not None:
+            self._stop_seen = reason
+        raise RendezvousClosedError(
+            f"rendezvous {self._settings.run_id!r} is closed" + (f" ({reason})" if reason else "")
+            + "; " + forget_hint(self._backend.name, self._backend.endpoint, self._settings.run_id,
+                                self._settings.etcd_prefix))
 
     def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
         """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
@@ -241,7 +221,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if rnd is None:
             return None
         with self._guard():
-            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round))
+            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round), self._saw_stop)
 
     def end_round(self, reason: str) -> None:
         """Tells every participant at once that the current round is over (e.g. a worker
@@ -250,6 +230,21 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if rnd is not None:
             with self._guard():
                 self._backend.create(self._keys.restart(rnd.round), json.dumps({"reason": reason}))
+
+    def serve_until_left(self, timeout: float, interrupted: Callable[[], bool],
+                         on_wait: Callable[[list[str]], None]) -> list[str]:
+        """Hosting the rendezvous server: serves until every other node of the run left, at most
+        ``timeout`` s or until ``interrupted()`` (see ``closing.wait_alone``); returns the nodes
+        still there. [] at once when this node hosts no server."""
+        if getattr(self._backend, "server", None) is None:
+            return []
+        with self._guard():
+            backend = self._backend.clone()
+            try:
+                return wait_alone(backend, self._keys.alive_prefix, self._node, timeout,
+                                  interrupted, on_wait)
+            finally:
+                backend.close()
 
     @property
     def hosts_store(self) -> bool:
@@ -349,7 +344,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
                     state = self._read_round()
                     return state if state is not None and state.round >= target else None
                 elif event.key == keys.closed and event.kind == "set":
-                    raise RendezvousClosedError(f"rendezvous {self._settings.run_id!r} closed")
+                    self._closed_error(event.value)
 
     def _check_closed_or_late(self, deadline: float, target: int) -> None:
         if time.monotonic() < deadline:

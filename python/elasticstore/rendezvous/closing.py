@@ -1,0 +1,123 @@
+"""How a round and a run end, seen from one node: the watch on the round's restart record
+(``RoundWatch``), the reason a run was closed (``closed_reason_of``, ``stop_reason_of``) and, for
+the node that hosts the rendezvous server, serving until the other nodes left (``wait_alone``).
+
+The closed record is ``{"reason": ...}`` (``elasticstore stop`` writes "stopped by operator") or
+``1``. ``elasticstore stop`` also ends the current round with a restart record that carries the
+same reason under ``closed``: a node learns that the run closed from the very event that wakes
+it, with no second read that could find the store gone (its host may have left already).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import WatchCompactedError
+from .backend import StoreBackend
+
+__all__ = ["WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "stop_reason_of",
+           "wait_alone"]
+
+ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
+WAIT_SLICE = 1.0  # seconds: the longest single watch while serving until the others left
+
+
+def _obj(data: bytes | None) -> Any:
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def closed_reason_of(data: bytes | None) -> str | None:
+    """The reason in a closed record (None: no reason given, or not JSON)."""
+    obj = _obj(data)
+    return str(obj["reason"]) if isinstance(obj, dict) and "reason" in obj else None
+
+
+def stop_reason_of(data: bytes | None) -> str | None:
+    """The closing reason a restart record carries (``elasticstore stop`` writes one)."""
+    obj = _obj(data)
+    return str(obj["closed"]) if isinstance(obj, dict) and "closed" in obj else None
+
+
+def forget_hint(backend: str, endpoint: str, run_id: str, etcd_prefix: str = ETCD_PREFIX) -> str:
+    """How to reuse a closed run id: the command that removes the run's keys."""
+    etcd = ""
+    if "etcd" in backend:
+        etcd = " --rdzv-backend etcd" + (
+            f" --etcd-prefix {etcd_prefix}" if etcd_prefix != ETCD_PREFIX else "")
+    return (f"to reuse the run id, remove its keys: elasticstore forget{etcd} --rdzv-endpoint "
+            f"{endpoint} --rdzv-id {run_id}")
+
+
+class RoundWatch:
+    """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once.
+    ``on_stop(reason)`` is told when the restart record says the run was closed."""
+
+    def __init__(self, backend: StoreBackend, key: str,
+                 on_stop: Callable[[str], None] | None = None) -> None:
+        self._b, self._key, self._on_stop = backend, key, on_stop
+
+    def _seen(self, value: bytes | None) -> bool:
+        reason = stop_reason_of(value)
+        if reason is not None and self._on_stop is not None:
+            self._on_stop(reason)
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """True once the round must be replaced; False after ``timeout`` s or when closed."""
+        deadline = time.monotonic() + timeout
+        try:
+            rev = self._b.revision()
+            value = self._b.get(self._key)
+            if value is not None:
+                return self._seen(value)
+            while (left := deadline - time.monotonic()) > 0:
+                event = self._b.watch(self._key, rev, left)
+                if event is None:
+                    return False
+                rev = event.version
+                if event.key == self._key and event.kind == "set":
+                    return self._seen(event.value)
+            return False
+        except WatchCompactedError:
+            value = self._b.get(self._key)
+            return value is not None and self._seen(value)
+
+    def close(self) -> None:
+        try:
+            self._b.close()
+        except Exception:
+            pass
+
+
+def wait_alone(backend: StoreBackend, alive_prefix: str, me: str, timeout: float,
+               interrupted: Callable[[], bool], on_wait: Callable[[list[str]], None]) -> list[str]:
+    """Waits until no liveness key but ``me``'s is left under ``alive_prefix`` (every other node
+    stopped, or was lost: a dead session's key vanishes, a silent node's is deleted by its ring
+    watcher), at most ``timeout`` s or until ``interrupted()``. ``on_wait(others)`` is called once
+    when there is something to wait for. Returns the nodes still there ([]: alone)."""
+    deadline = time.monotonic() + timeout
+    told = False
+    others: list[str] = []
+    for _ in range(1 << 20):
+        rev = backend.revision()
+        others = [k.rsplit("/", 1)[-1] for k in backend.list(alive_prefix)]
+        others = [n for n in others if n != me]
+        left = deadline - time.monotonic()
+        if not others or left <= 0 or interrupted():
+            return others
+        if not told:
+            told = True
+            on_wait(others)
+        try:
+            backend.watch(alive_prefix, rev, min(left, WAIT_SLICE))
+        except WatchCompactedError:
+            pass  # listed again
+    return others
