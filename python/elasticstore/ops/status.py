@@ -13,23 +13,14 @@ The object (``--json``)::
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+from ..rendezvous.closing import parse_json
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists, read_round
 
 __all__ = ["MEMBER_COLUMNS", "footer_lines", "header_lines", "job_status", "member_rows", "render"]
-
-
-def _json(data: bytes | None) -> Any:
-    if data is None:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
 
 
 def _last(key: str) -> str:
@@ -45,16 +36,16 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
             raise JobNotFound(f"no job {addr.run_id!r} at {addr.endpoint}")
         rnd = read_round(store, keys)
         closed = store.try_get(keys.closed)
-        closed_obj = _json(closed)
+        closed_obj = parse_json(closed)
         alive = sorted(_last(k) for k in store.list_keys(keys.alive_prefix))
         status_keys = sorted(store.list_keys(keys.status_nodes))
         records = {}
         if status_keys:
             for key, value in zip(status_keys, store.multi_get(status_keys)):
-                obj = _json(value)
+                obj = parse_json(value)
                 if isinstance(obj, dict):
                     records[_last(key)] = obj
-        failure = _json(store.try_get(keys.failure))
+        failure = parse_json(store.try_get(keys.failure))
         try:
             health: dict[str, Any] = dict(store.stats())
         except Exception as exc:  # EtcdStore has no server counters

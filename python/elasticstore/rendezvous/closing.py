@@ -18,14 +18,15 @@ from typing import Any
 from ..errors import WatchCompactedError
 from .backend import StoreBackend
 
-__all__ = ["WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "stop_reason_of",
-           "wait_alone"]
+__all__ = ["WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
+           "stop_reason_of", "wait_alone"]
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
 WAIT_SLICE = 1.0  # seconds: the longest single watch while serving until the others left
 
 
-def _obj(data: bytes | None) -> Any:
+def parse_json(data: bytes | None) -> Any:
+    """A record's JSON value; None when absent or not JSON."""
     if data is None:
         return None
     try:
@@ -36,13 +37,13 @@ def _obj(data: bytes | None) -> Any:
 
 def closed_reason_of(data: bytes | None) -> str | None:
     """The reason in a closed record (None: no reason given, or not JSON)."""
-    obj = _obj(data)
+    obj = parse_json(data)
     return str(obj["reason"]) if isinstance(obj, dict) and "reason" in obj else None
 
 
 def stop_reason_of(data: bytes | None) -> str | None:
     """The closing reason a restart record carries (``elasticstore stop`` writes one)."""
-    obj = _obj(data)
+    obj = parse_json(data)
     return str(obj["closed"]) if isinstance(obj, dict) and "closed" in obj else None
 
 
