@@ -37,7 +37,7 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
-from .executor import Decider, Heartbeat, RingWatcher
+from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
@@ -325,6 +325,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
         left before writing it (the caller then tries to take its place)."""
         keys, backend = self._keys, self._backend
+        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl)
+                 if backend.needs_heartbeat else None)  # etcd: its lease ends a silent one
         while True:
             rev = backend.revision()
             state = self._read_round()
@@ -334,10 +336,14 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 return None
             while True:
                 self._check_closed_or_late(deadline, target)
+                wait = deadline - time.monotonic()
                 try:
-                    event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
+                    event = backend.watch(keys.ctl, rev, wait if check is None else
+                                          min(wait, check.due()))
                 except WatchCompactedError:
                     break  # re-read
+                if check is not None:
+                    check.check()  # its delete of the decider key comes as an event
                 if event is None:
                     continue  # the deadline check raises
                 rev = event.version
