@@ -5,6 +5,7 @@
 ``RingWatcher`` (one per participant, on its own connection) watches the successor's liveness
 key and sets ``ctl/restart/R`` when it vanishes. ``DeciderCheck`` (a waiting node, on a store
 that keeps silent sessions open) removes a decider that went silent, so another takes over.
+``RoundWatch`` waits for a round's restart signal (an agent's wait point).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
 
-__all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher"]
+__all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher", "RoundWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -255,3 +256,34 @@ class Heartbeat:
                 self._b.delete(self._key)
         finally:
             self._b.close()
+
+
+class RoundWatch:
+    """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once."""
+
+    def __init__(self, backend: StoreBackend, key: str) -> None:
+        self._b, self._key = backend, key
+
+    def wait(self, timeout: float) -> bool:
+        """True once the round must be replaced; False after ``timeout`` s or when closed."""
+        deadline = time.monotonic() + timeout
+        try:
+            rev = self._b.revision()
+            if self._b.get(self._key) is not None:
+                return True
+            while (left := deadline - time.monotonic()) > 0:
+                event = self._b.watch(self._key, rev, left)
+                if event is None:
+                    return False
+                rev = event.version
+                if event.key == self._key and event.kind == "set":
+                    return True
+            return False
+        except WatchCompactedError:
+            return self._b.get(self._key) is not None
+
+    def close(self) -> None:
+        try:
+            self._b.close()
+        except Exception:
+            pass

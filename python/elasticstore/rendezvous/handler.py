@@ -37,7 +37,7 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
-from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
+from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, RoundWatch
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
@@ -76,37 +76,6 @@ def _member_addrs(state: RoundState) -> list[str]:
     return addrs
 
 
-class RoundWatch:
-    """Waits for a round's restart signal; ``close()`` from another thread ends ``wait`` at once."""
-
-    def __init__(self, backend: StoreBackend, key: str) -> None:
-        self._b, self._key = backend, key
-
-    def wait(self, timeout: float) -> bool:
-        """True once the round must be replaced; False after ``timeout`` s or when closed."""
-        deadline = time.monotonic() + timeout
-        try:
-            rev = self._b.revision()
-            if self._b.get(self._key) is not None:
-                return True
-            while (left := deadline - time.monotonic()) > 0:
-                event = self._b.watch(self._key, rev, left)
-                if event is None:
-                    return False
-                rev = event.version
-                if event.key == self._key and event.kind == "set":
-                    return True
-            return False
-        except WatchCompactedError:
-            return self._b.get(self._key) is not None
-
-    def close(self) -> None:
-        try:
-            self._b.close()
-        except Exception:
-            pass
-
-
 class ElasticRendezvousHandler(RendezvousHandler):
     """See the module doc. Several handlers in one process are distinct nodes."""
 
@@ -120,6 +89,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._alive = False
         self._ring: RingWatcher | None = None
         self._spare: StoreBackend | None = None  # the next ring watcher's connection, made early
+        self._joined: str | None = None  # the join key of the last round joined (see _join)
         self._heartbeat: Heartbeat | None = None
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
@@ -303,8 +273,11 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return None if data is None else RoundState.from_json(data)
 
     def _join(self, target: int, deadline: float) -> RoundState:
-        """Joins round ``target``; returns the first round record numbered ``target`` or later."""
-        join_key = self._keys.join(target, self._node)
+        """Joins round ``target``; returns the first round record numbered ``target`` or later.
+        The join key is deleted later (next join, ``_leave_round``): off the path to the rank,
+        and nothing reads the join keys of a round that was written."""
+        self._drop_join()
+        join_key = self._joined = self._keys.join(target, self._node)
         self._backend.set(join_key, b"", ephemeral=True)
         try:
             for _ in range(100_000):
@@ -318,8 +291,14 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 if state is not None:
                     return state
             raise RendezvousTimeoutError(f"round {target}: deciders kept failing")
-        finally:
-            self._backend.delete(join_key)
+        except BaseException:
+            self._drop_join()
+            raise
+
+    def _drop_join(self) -> None:
+        key, self._joined = self._joined, None
+        if key is not None:
+            self._backend.delete(key)
 
     def _await_round(self, target: int, deadline: float) -> RoundState | None:
         """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
@@ -412,6 +391,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
 
     def _await_boot(self, rnd: int, deadline: float) -> str:
         keys, backend = self._keys, self._backend
+        if (value := backend.get(keys.boot(rnd))) is not None:
+            return value.decode()  # published already: one read
         while True:
             rev = backend.revision()
             value = backend.get(keys.boot(rnd))
@@ -437,6 +418,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 )
 
     def _leave_round(self) -> None:
+        self._drop_join()
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
