@@ -9,7 +9,8 @@ n join events while n agents write them) waits up to 100 ms per event: O(n) x 10
 opens its stream once; later events reach it as they are written.
 
 A cursor holds the stream, a reader thread and the events received but not yet handed out (at
-most :data:`MAX_BUFFERED`; beyond that it stops and the next call opens a new stream). A call
+most :data:`MAX_BUFFERED`, or one reply into an empty buffer; beyond that it stops and the next
+call opens a new stream). A call
 with ``after_version`` at or past the cursor's position (the last revision it handed out) uses
 it, skipping buffered events at or before ``after_version``; a call further back (or on another
 key) opens a new one. A store keeps at most :data:`MAX_CURSORS` (the least recently used is
