@@ -5,6 +5,8 @@ one transaction included), and ``close()`` still ends a watch blocked in another
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -145,3 +147,33 @@ def test_a_cursor_nobody_reads_gives_up_its_stream(
         seen.append(ev.key)
     assert seen == [f"b/{i}" for i in range(1, 20)]  # none lost: a new stream from there
     assert len(streams) == 2
+
+
+def test_a_forked_child_makes_its_own_channel(etcd: etcd_cluster.Cluster) -> None:
+    """A child forked after its parent opened a store works with stores of its own, and the
+    parent's go on (the channel pool is per process: a child never uses a parent's channel)."""
+    prefix = f"/test/{uuid.uuid4().hex}"
+    parent = elasticstore.EtcdStore(etcd.endpoints, prefix=prefix, timeout=T5)
+    parent.set("f", "1")
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 when its own store works
+        code = 1
+        try:
+            with elasticstore.EtcdStore(etcd.endpoints, prefix=prefix, timeout=T5) as st:
+                code = 0 if st.get("f") == b"1" else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    status = None
+    try:
+        while status is None and time.monotonic() < deadline:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = code if done else None
+            time.sleep(0.05)
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert status == 0, f"child status {status}"
+    assert parent.get("f") == b"1"  # the parent's channel still works
+    parent.close()

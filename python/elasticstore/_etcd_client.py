@@ -9,6 +9,7 @@ Imported only when an ``EtcdStore`` is made, so ``import elasticstore`` never ne
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -48,19 +49,25 @@ class _ChannelPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, Any], list[Any]] = {}  # key -> [channel, users]
+        # (pid, endpoint, TLS files) -> [channel, users]; the pid: a forked child never uses
+        # its parent's channels (grpc's do not survive a fork), it makes its own.
+        self._entries: dict[tuple[int, str, Any], list[Any]] = {}
 
-    def acquire(self, target: str, tls: Any, creds: Any) -> grpc.Channel:
+    def acquire(self, target: str, tls: Any,
+                creds: Any) -> tuple[grpc.Channel, tuple[int, str, Any]]:
+        key = (os.getpid(), target, tls)
         with self._lock:
-            entry = self._entries.get((target, tls))
+            entry = self._entries.get(key)
             if entry is None:
-                channel = (grpc.secure_channel(target, creds, _CHANNEL_OPTIONS)
-                           if creds is not None else grpc.insecure_channel(target, _CHANNEL_OPTIONS))
-                entry = self._entries[(target, tls)] = [channel, 0]
+                if creds is not None:
+                    channel = grpc.secure_channel(target, creds, _CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
+                entry = self._entries[key] = [channel, 0]
             entry[1] += 1
-            return entry[0]  # type: ignore[no-any-return]
+            return entry[0], key
 
-    def release(self, keys: list[tuple[str, Any]]) -> None:
+    def release(self, keys: list[tuple[int, str, Any]]) -> None:
         closing = []
         with self._lock:
             for key in keys:
@@ -130,7 +137,7 @@ class Connection:
         self._lock = threading.Lock()
         self._index = 0
         self._channels: dict[int, grpc.Channel] = {}  # from _POOL; released at close (or GC)
-        self._pooled: list[tuple[str, Any]] = []
+        self._pooled: list[tuple[int, str, Any]] = []
         self._release = weakref.finalize(self, _POOL.release, self._pooled)
         self._streams: set[Callable[[], None]] = set()  # cancels of the open watch streams
         self._tokens: dict[int, str] = {}
@@ -157,8 +164,8 @@ class Connection:
             channel = self._channels.get(index)
             if channel is None:
                 target = self.endpoints[index]
-                channel = _POOL.acquire(target, self._tls, self._creds)
-                self._pooled.append((target, self._tls))
+                channel, pooled = _POOL.acquire(target, self._tls, self._creds)
+                self._pooled.append(pooled)
                 self._channels[index] = channel
             return channel
 
