@@ -126,8 +126,6 @@ class WatchCursor:
                 if self._closed:
                     raise _Closed()
                 if self._error is not None:
-                    if isinstance(self._error, _Reread):
-                        time.sleep(_RETRY_PAUSE)
                     raise self._error
                 left = remaining(deadline)
                 if left is not None and left <= 0:
@@ -200,7 +198,9 @@ class EtcdWatchMixin:
                     continue
             try:
                 return cursor.next(after, deadline)
-            except (_Reread, _Closed):
-                continue  # a new stream from ``after`` (the deadline is checked first)
+            except _Reread:
+                time.sleep(_RETRY_PAUSE)  # a new stream from ``after`` (the deadline first)
+            except _Closed:
+                pass  # the store was closed: opening a new stream raises that
             finally:
                 self._keep_cursor(cursor)
