@@ -4,7 +4,7 @@ joined within it) to the last agent holding its rank. Side by side:
 
 - ``elasticstore``: our handler on an in-process native server (``min = max = N``);
 - ``elasticstore-etcd``: our handler on one etcd v3 member (``etcd_peer.py``: etcd's defaults,
-  WAL fsync on), lease TTL 5 s;
+  WAL fsync on), lease TTL 120 s (as ``elasticstore``'s heartbeat: no silent-node timeouts);
 - ``torch-c10d``: torch's ``DynamicRendezvousHandler`` with ``C10dRendezvousBackend`` on torch's
   ``TCPStore`` (``is_master`` in this process, one client per agent), as ``--rdzv-backend=c10d``.
 
@@ -73,7 +73,10 @@ def _etcd(n: int, run_id: str) -> tuple[list[Any], Callable[[], None]]:
     srv = etcd_peer.start_server()
     settings = RendezvousSettings(run_id=run_id, host=srv.host, port=srv.port,
                                   min_nodes=n, max_nodes=n, local_addr="127.0.0.1",
-                                  join_timeout=120, last_call_timeout=1)
+                                  join_timeout=120, last_call_timeout=1,
+                                  # as for ours: N lease keep-alive threads share one interpreter
+                                  # here; with the default 5 s, 512 agents' leases lapsed
+                                  lease_ttl=120)
     endpoint = f"{srv.host}:{srv.port}"
     handlers = [ElasticRendezvousHandler(create_etcd_backend(settings, endpoint), settings)
                 for _ in range(n)]

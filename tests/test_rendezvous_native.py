@@ -57,3 +57,32 @@ def test_lost_rendezvous_server_fails_every_agent_naming_it() -> None:
                 assert err["t"] - lost_at < 10
     finally:
         server.close()
+
+
+def test_silent_decider_is_replaced_within_the_lease(agents: Callable[..., Agents]) -> None:
+    """The node holding ``ctl/decider/1`` goes silent (SIGSTOP: no FIN, its sessions stay open
+    on the server): the waiting nodes take its place within about ``lease_ttl`` (its heartbeat
+    stopped), not at ``join_timeout``; when it comes back it waits for a later round."""
+    with agents(2, 2) as group:
+        ttl = float(group.common["conf"]["lease_ttl"])
+        host, port = group.common["endpoint"].rsplit(":", 1)
+        with elasticstore.Store(host, int(port)) as store:
+            first = group.start("127.0.0.2")  # alone: it decides round 1 and waits for a second
+            first.expect("ready", 60)
+            deadline = time.monotonic() + 30
+            while store.try_get("rdzv/job/ctl/decider/1") is None:
+                assert time.monotonic() < deadline, "the first node did not become the decider"
+                time.sleep(0.05)
+            assert store.try_get("rdzv/job/ctl/decider/1").decode().startswith("127.0.0.2-")
+            first.freeze()
+            b, c = group.start_together(["127.0.0.3", "127.0.0.4"])
+            go = time.time()
+            rounds = [n.expect("round", 25) for n in (b, c)]
+            took = max(r["t"] for r in rounds) - go
+            assert [(r["round"], r["world"]) for r in rounds] == [(1, 2), (1, 2)]
+            assert sorted(r["rank"] for r in rounds) == [0, 1]
+            print(f"silent decider (lease_ttl {ttl:g}s) -> round without it: {took:.2f}s")
+            assert took < 1.5 * ttl + 1.5, f"{took:.2f}s"
+            first.thaw()  # back: the round is full (max 2), it waits as a standby
+            time.sleep(0.5)
+            assert first.proc.poll() is None

@@ -9,8 +9,10 @@ Imported only when an ``EtcdStore`` is made, so ``import elasticstore`` never ne
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +39,49 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+
+
+class _ChannelPool:
+    """The process's gRPC channels, one per (endpoint, TLS files), shared by every
+    :class:`Connection` to it and closed with the last one. A channel of its own per store
+    would cost each store a polling thread and a completion queue in grpc (a rendezvous agent
+    opens several stores; n agents in one process opened 2n threads of them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (pid, endpoint, TLS files) -> [channel, users]; the pid: a forked child never uses
+        # its parent's channels (grpc's do not survive a fork), it makes its own.
+        self._entries: dict[tuple[int, str, Any], list[Any]] = {}
+
+    def acquire(self, target: str, tls: Any,
+                creds: Any) -> tuple[grpc.Channel, tuple[int, str, Any]]:
+        key = (os.getpid(), target, tls)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                if creds is not None:
+                    channel = grpc.secure_channel(target, creds, _CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
+                entry = self._entries[key] = [channel, 0]
+            entry[1] += 1
+            return entry[0], key
+
+    def release(self, keys: list[tuple[int, str, Any]]) -> None:
+        closing = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    closing.append(self._entries.pop(key)[0])
+        for channel in closing:
+            channel.close()
+
+
+_POOL = _ChannelPool()
 
 
 def remaining(deadline: float | None) -> float | None:
@@ -75,7 +120,7 @@ class Connection:
         if (cert is None) != (key is None):
             raise ValueError("EtcdStore: give both cert and key, or neither")
         self.endpoints = list(endpoints)
-        self._creds = None
+        self._creds: Any = None
         if ca_cert is not None or cert is not None:
             def read(path: str | None) -> bytes | None:
                 if path is None:
@@ -83,11 +128,18 @@ class Connection:
                 with open(path, "rb") as f:
                     return f.read()
 
-            self._creds = grpc.ssl_channel_credentials(read(ca_cert), read(key), read(cert))
+            tls = (read(ca_cert), read(key), read(cert))
+            self._tls: Any = tls
+            self._creds = grpc.ssl_channel_credentials(*tls)
+        else:
+            self._tls = None
         self._user, self._password = user, password
         self._lock = threading.Lock()
         self._index = 0
-        self._channels: dict[int, grpc.Channel] = {}
+        self._channels: dict[int, grpc.Channel] = {}  # from _POOL; released at close (or GC)
+        self._pooled: list[tuple[int, str, Any]] = []
+        self._release = weakref.finalize(self, _POOL.release, self._pooled)
+        self._streams: set[Callable[[], None]] = set()  # cancels of the open watch streams
         self._tokens: dict[int, str] = {}
         self._closed = False
         # Requests sent without an answer (a network error or a lost reply): each may have been
@@ -95,11 +147,15 @@ class Connection:
         self.unanswered = 0
 
     def close(self) -> None:
+        """Ends this connection's watch streams and releases its channels (shared: a unary
+        call of another thread in flight ends within its attempt, ATTEMPT_CAP)."""
         with self._lock:
             self._closed = True
-            channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            channel.close()
+            self._channels = {}
+            streams, self._streams = list(self._streams), set()
+        for cancel in streams:
+            cancel()
+        self._release()
 
     def _channel(self, index: int) -> grpc.Channel:
         with self._lock:
@@ -108,10 +164,8 @@ class Connection:
             channel = self._channels.get(index)
             if channel is None:
                 target = self.endpoints[index]
-                if self._creds is not None:
-                    channel = grpc.secure_channel(target, self._creds, _CHANNEL_OPTIONS)
-                else:
-                    channel = grpc.insecure_channel(target, _CHANNEL_OPTIONS)
+                channel, pooled = _POOL.acquire(target, self._tls, self._creds)
+                self._pooled.append(pooled)
                 self._channels[index] = channel
             return channel
 
@@ -218,9 +272,17 @@ class Connection:
         )
 
         def cancel() -> None:
+            with self._lock:
+                self._streams.discard(cancel)
             done.set()
             call.cancel()
 
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._streams.add(cancel)
+        if closed:
+            cancel()
         return call, cancel, index
 
     def stream_failed(self, exc: grpc.RpcError | None, index: int | None = None) -> None:

@@ -51,8 +51,9 @@ from ._etcd_client import Connection, LeaseKeeper
 from .call_stats import etcd_recorded
 from ._etcd_sync import EtcdSyncMixin
 from ._etcd_txn import (
-    _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end, _Reread,
+    _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end,
 )
+from ._etcd_watch import EtcdWatchMixin
 from .errors import StoreError, StoreTimeoutError, WatchCompactedError
 from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent, _park
 
@@ -78,7 +79,7 @@ def _int64_amount(amount: int) -> int:
     return amount
 
 
-class EtcdStore(EtcdSyncMixin, dist.Store):
+class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
     """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`.
 
     ``endpoints``: ``"host:port"`` strings (or one comma-separated string); on a network error
@@ -117,6 +118,7 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
         self._auth = {"user": user, "password": password}
         self._lock = threading.Lock()
         self._init_marker(self._sys + b"op/" + uuid.uuid4().hex.encode())
+        self._init_cursors()  # watch streams kept open between calls (_etcd_watch)
         self._session: tuple[Connection, LeaseKeeper] | None = None
         self.set_timeout(timeout)
         self._session = self._open()
@@ -159,6 +161,7 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
             self._closed = True
             session, self._session = self._session, None
         _PARKED.discard(self)
+        self._close_cursors(final=True)
         if session is not None:
             session[1].stop(wait=True)
             session[0].close()
@@ -168,6 +171,7 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
             if self._closed:
                 return
             session, self._session = self._session, None
+            self._close_cursors(final=False)
             if not _park(self):  # parked only while torch's C++ side holds it (see store.py)
                 self._closed = True  # nothing else holds it: freed now
             if session is not None:
@@ -353,26 +357,20 @@ class EtcdStore(EtcdSyncMixin, dist.Store):
         if after_version is None:
             after_version = self._read([], deadline, "watch")[1]
         end = _range_end(full) if prefix else b""
-        create = etcdrpc.WatchCreateRequest(key=full, range_end=end,
-                                            start_revision=int(after_version) + 1)
-        while True:
-            try:
-                for events in self._stream([create], deadline):
-                    ev = events[0]
-                    name, value, version = self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision
-                    if ev.type == _DELETE:
-                        return WatchEvent("delete", name, value, version)
-                    return WatchEvent("set", name, value, version)
-            except _Reread:
-                continue
-            except WatchCompactedError as exc:
-                raise WatchCompactedError(
-                    f"EtcdStore.watch: revisions after {after_version} of {key!r} were compacted",
-                    exc.oldest_revision) from None
-            except StoreTimeoutError:
-                raise StoreTimeoutError(
-                    f"EtcdStore.watch: no change of {key!r} after version {after_version} in "
-                    f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
+        try:  # the stream stays open for the next call on this key (_etcd_watch)
+            ev = self._watch_next(full, end, int(after_version), deadline)
+            name, value, version = self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision
+            if ev.type == _DELETE:
+                return WatchEvent("delete", name, value, version)
+            return WatchEvent("set", name, value, version)
+        except WatchCompactedError as exc:
+            raise WatchCompactedError(
+                f"EtcdStore.watch: revisions after {after_version} of {key!r} were compacted",
+                exc.oldest_revision) from None
+        except StoreTimeoutError:
+            raise StoreTimeoutError(
+                f"EtcdStore.watch: no change of {key!r} after version {after_version} in "
+                f"{time.monotonic() - start:.3f}s (timeout {timeout})") from None
 
     def ping(self) -> None:
         self._read([], self._op_deadline(), "ping")

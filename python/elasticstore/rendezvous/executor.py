@@ -3,7 +3,8 @@
 ``Decider`` watches the run's keys (O(n) events, on one node only), feeds
 :func:`decisions.decide` and writes the round record once with compare-and-set.
 ``RingWatcher`` (one per participant, on its own connection) watches the successor's liveness
-key and sets ``ctl/restart/R`` when it vanishes.
+key and sets ``ctl/restart/R`` when it vanishes. ``DeciderCheck`` (a waiting node, on a store
+that keeps silent sessions open) removes a decider that went silent, so another takes over.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
 
-__all__ = ["Decider", "Heartbeat", "RingWatcher"]
+__all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,54 @@ class RingWatcher:
         self._thread.join(timeout=1.0)
 
 
+class DeciderCheck:
+    """A waiting node's check of round ``target``'s decider, for a backend whose store keeps a
+    silent session open (native: the decider's session-bound ``ctl/decider/T`` would outlive a
+    SIGSTOP, a partition or a power loss, and the others would wait until ``join_timeout``).
+
+    Every ``ttl/4`` seconds (:meth:`due`), :meth:`check` reads who decides and that node's
+    liveness key, which its heartbeat rewrites every ``ttl/3`` with a new value. Unchanged (or
+    missing) for ``ttl`` seconds: the decider is silent, as a ring watcher would judge it; its
+    join, liveness and decider keys are deleted (the decider key last), and the waiting nodes,
+    told by that delete, race to take its place. Two reads per check, while waiting only."""
+
+    def __init__(self, backend: StoreBackend, keys: Keys, target: int, ttl: float) -> None:
+        self._b, self._k, self._target, self._ttl = backend, keys, target, ttl
+        self._period = ttl / 4
+        self._next = time.monotonic() + self._period
+        self._seen: tuple[bytes | None, bytes | None] | None = None  # (decider, its alive value)
+        self._since = 0.0
+
+    def due(self) -> float:
+        """Seconds until the next check."""
+        return max(0.0, self._next - time.monotonic())
+
+    def check(self) -> bool:
+        """True when a silent decider was removed (a no-op before the next check is due)."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._period
+        decider = self._b.get(self._k.decider(self._target))
+        if decider is None:
+            return False  # gone already: the waiting nodes see its delete
+        node = decider.decode()
+        seen = (decider, self._b.get(self._k.alive(node)))
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+            return False
+        if now - self._since < self._ttl:
+            return False
+        log.warning("round %d: decider %s silent for %.1fs (lease_ttl %gs): taking over",
+                    self._target, node, now - self._since, self._ttl)
+        self._b.delete(self._k.join(self._target, node))
+        self._b.delete(self._k.alive(node))
+        if self._b.get(self._k.decider(self._target)) == decider:  # not replaced meanwhile
+            self._b.delete(self._k.decider(self._target))
+        self._seen = None
+        return True
+
+
 class Heartbeat:
     """Keeps ``key`` (bound to this connection's session) fresh every ``period`` seconds, for a
     store that does not end silent sessions; the ring watchers time out a node whose key stopped
@@ -181,13 +230,15 @@ class Heartbeat:
 
     def __init__(self, backend: StoreBackend, key: str, value: str, period: float) -> None:
         self._b, self._key, self._value, self._period = backend, key, value, period
+        self._beats = 0  # in the value: a waiting node sees the key change (DeciderCheck)
         self._stop = threading.Event()
         self.beat()  # the key exists before the constructor returns
         self._thread = threading.Thread(target=self._run, name="rdzv-heartbeat", daemon=True)
         self._thread.start()
 
     def beat(self) -> None:
-        self._b.set(self._key, self._value, ephemeral=True)
+        self._beats += 1
+        self._b.set(self._key, f"{self._value} {self._beats}", ephemeral=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):

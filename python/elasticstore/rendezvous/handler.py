@@ -39,7 +39,7 @@ from ..store import Store
 from . import decisions
 from .backend import StoreBackend
 from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
-from .executor import Decider, Heartbeat, RingWatcher
+from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, numeric_host, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
@@ -91,6 +91,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._alive = False
         self._ring: RingWatcher | None = None
         self._spare: StoreBackend | None = None  # the next ring watcher's connection, made early
+        self._joined: str | None = None  # the join key of the last round joined (see _join)
         self._heartbeat: Heartbeat | None = None
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
@@ -298,8 +299,11 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return None if data is None else RoundState.from_json(data)
 
     def _join(self, target: int, deadline: float) -> RoundState:
-        """Joins round ``target``; returns the first round record numbered ``target`` or later."""
-        join_key = self._keys.join(target, self._node)
+        """Joins round ``target``; returns the first round record numbered ``target`` or later.
+        The join key is deleted later (next join, ``_leave_round``): off the path to the rank,
+        and nothing reads the join keys of a round that was written."""
+        self._drop_join()
+        join_key = self._joined = self._keys.join(target, self._node)
         self._backend.set(join_key, b"", ephemeral=True)
         try:
             for _ in range(100_000):
@@ -313,13 +317,21 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 if state is not None:
                     return state
             raise RendezvousTimeoutError(f"round {target}: deciders kept failing")
-        finally:
-            self._backend.delete(join_key)
+        except BaseException:
+            self._drop_join()
+            raise
+
+    def _drop_join(self) -> None:
+        key, self._joined = self._joined, None
+        if key is not None:
+            self._backend.delete(key)
 
     def _await_round(self, target: int, deadline: float) -> RoundState | None:
         """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
         left before writing it (the caller then tries to take its place)."""
         keys, backend = self._keys, self._backend
+        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl)
+                 if backend.needs_heartbeat else None)  # etcd: its lease ends a silent one
         while True:
             rev = backend.revision()
             state = self._read_round()
@@ -329,10 +341,14 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 return None
             while True:
                 self._check_closed_or_late(deadline, target)
+                wait = deadline - time.monotonic()
                 try:
-                    event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
+                    event = backend.watch(keys.ctl, rev, wait if check is None else
+                                          min(wait, check.due()))
                 except WatchCompactedError:
                     break  # re-read
+                if check is not None:
+                    check.check()  # its delete of the decider key comes as an event
                 if event is None:
                     continue  # the deadline check raises
                 rev = event.version
@@ -401,6 +417,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
 
     def _await_boot(self, rnd: int, deadline: float) -> str:
         keys, backend = self._keys, self._backend
+        if (value := backend.get(keys.boot(rnd))) is not None:
+            return value.decode()  # published already: one read
         while True:
             rev = backend.revision()
             value = backend.get(keys.boot(rnd))
@@ -426,6 +444,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 )
 
     def _leave_round(self) -> None:
+        self._drop_join()
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
