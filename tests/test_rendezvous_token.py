@@ -121,13 +121,13 @@ def test_members_allowed_peers_serve_torch_clients_from_members_only() -> None:
     # The list the handler hands the server, on a server that does not treat loopback as this
     # machine, so that 127.0.0.x source addresses stand for other hosts (as tests/test_auth.py).
     from elasticstore import StoreServer
-    from elasticstore.rendezvous.handler import _member_addrs
+    from elasticstore.rendezvous.worker_store import member_addrs
     from elasticstore.rendezvous.state import RoundState
 
     state = RoundState(3, ("127.0.0.2-10-0", "127.0.0.3-11-0", "127.0.0.3-12-1"))
-    assert _member_addrs(state) == ["127.0.0.2", "127.0.0.3"]
+    assert member_addrs(state) == ["127.0.0.2", "127.0.0.3"]
     with StoreServer("127.0.0.1", 0, token=TOKEN, allow_loopback=False) as srv:
-        srv.set_allowed_peers(_member_addrs(state))
+        srv.set_allowed_peers(member_addrs(state))
 
         def served(source: str) -> bool:
             with socket.socket() as sock:

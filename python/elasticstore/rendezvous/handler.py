@@ -6,7 +6,8 @@ round record. The decider watches the run's keys, feeds :func:`decisions.decide`
 round once with compare-and-set. A participant watches its successor's liveness key (a ring:
 O(1) per node) and signals ``ctl/restart/R`` when it vanishes, so ``num_nodes_waiting()`` turns
 positive at once everywhere. Round R's rank 0 hosts a fresh worker store (a new native server,
-so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``.
+so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``
+(``worker_store``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,42 +40,14 @@ from . import decisions
 from .backend import StoreBackend
 from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
-from .settings import RendezvousSettings, numeric_host, parse_endpoint
+from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
+from .worker_store import RoundReplaced, await_boot, host_worker_store, local_addr
 
 __all__ = ["ElasticRendezvousHandler", "RoundWatch"]
 
 log = logging.getLogger(__name__)
 _LOCAL_IDS = itertools.count()
-
-
-class _Restart(Exception):
-    """The round being joined was replaced before it could be used: join the next one."""
-
-
-def _local_addr(settings: RendezvousSettings) -> str:
-    if settings.local_addr:
-        return numeric_host(settings.local_addr)
-    # The address this host uses to reach the endpoint (a UDP connect sends nothing; no DNS).
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((numeric_host(settings.host), settings.port))
-            return str(sock.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
-def _member_addrs(state: RoundState) -> list[str]:
-    """The addresses of round ``state``'s participants (from their node ids), deduplicated."""
-    addrs: list[str] = []
-    for node in state.participants:
-        try:
-            addr = NodeId.parse(node).addr
-        except ValueError:
-            continue
-        if addr not in addrs:
-            addrs.append(addr)
-    return addrs
 
 
 class ElasticRendezvousHandler(RendezvousHandler):
@@ -85,7 +57,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._settings = settings
         self._keys = Keys(settings.run_id)
-        self._addr = _local_addr(settings)
+        self._addr = local_addr(settings)
         self._node = str(NodeId(self._addr, os.getpid(), next(_LOCAL_IDS)))
         self._round: RoundState | None = None
         self._alive = False
@@ -154,7 +126,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
                     continue
                 try:
                     info = self._enter(state, rank, deadline)
-                except _Restart:
+                except RoundReplaced:
                     target = state.round + 1
                     continue
                 log.info(
@@ -395,16 +367,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
             silent = self._settings.lease_ttl if backend.needs_heartbeat else None
             self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent)
         if rank == 0:
-            token = self._settings.store_token
-            self._worker_server = server = StoreServer(self._addr, 0, token=token)
-            if server.requires_token:
-                # torch's TCPStore clients (the workers' MASTER_ADDR/PORT) cannot prove the
-                # token: serve the round's members' hosts (loopback always is), refuse others.
-                server.set_allowed_peers(_member_addrs(state))
+            self._worker_server = server = host_worker_store(self._addr, state,
+                                                             self._settings.store_token)
             boot = server.address
             backend.set(keys.boot(state.round), boot)
         else:
-            boot = self._await_boot(state.round, deadline)
+            boot = await_boot(backend, keys, state.round, deadline)
         host, port = parse_endpoint(boot)
         self._worker_store = Store(
             host, port, timeout=timedelta(seconds=self._settings.store_timeout),
@@ -414,34 +382,6 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(
             store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)
         )
-
-    def _await_boot(self, rnd: int, deadline: float) -> str:
-        keys, backend = self._keys, self._backend
-        if (value := backend.get(keys.boot(rnd))) is not None:
-            return value.decode()  # published already: one read
-        while True:
-            rev = backend.revision()
-            value = backend.get(keys.boot(rnd))
-            if value is not None:
-                return value.decode()
-            if backend.get(keys.restart(rnd)) is not None:
-                raise _Restart()
-            while time.monotonic() < deadline:
-                try:
-                    event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
-                except WatchCompactedError:
-                    break
-                if event is None:
-                    continue
-                rev = event.version
-                if event.key == keys.boot(rnd) and event.kind == "set":
-                    return event.value.decode()
-                if event.key == keys.restart(rnd):
-                    raise _Restart()
-            else:
-                raise RendezvousTimeoutError(
-                    f"round {rnd}: rank 0 did not publish the worker store within join_timeout"
-                )
 
     def _leave_round(self) -> None:
         self._drop_join()

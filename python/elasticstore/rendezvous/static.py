@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous import (
 from .._token import resolve_token
 from ..server import StoreServer
 from ..store import Store
-from .handler import _local_addr
+from .worker_store import local_addr
 from .settings import RendezvousSettings, numeric_host
 
 __all__ = ["StaticRendezvousHandler"]
@@ -65,7 +65,7 @@ class StaticRendezvousHandler(RendezvousHandler):
             if resolve_token(s.store_token):
                 # The agents' store is the workers' (MASTER_ADDR/PORT): vouch for this node's
                 # address so its workers' torch TCPStore clients are served under the token.
-                self._store.allow_peers([_local_addr(s)])
+                self._store.allow_peers([local_addr(s)])
         assert s.rank is not None
         return RendezvousInfo(
             self._store, s.rank, s.max_nodes, RendezvousStoreInfo(host, s.port)

@@ -1,0 +1,88 @@
+"""Round R's worker store: rank 0's agent hosts a fresh native server and publishes its address
+under ``ctl/boot/R``; the other participants wait for that record. Also where a node's own
+address comes from."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+from ..errors import WatchCompactedError
+from ..server import StoreServer
+from .backend import StoreBackend
+from .settings import RendezvousSettings, numeric_host
+from .state import Keys, NodeId, RoundState
+
+__all__ = ["RoundReplaced", "await_boot", "host_worker_store", "local_addr", "member_addrs"]
+
+
+class RoundReplaced(Exception):
+    """The round being joined was replaced before it could be used: join the next one."""
+
+
+def local_addr(settings: RendezvousSettings) -> str:
+    """``local_addr`` if set, else the address this host uses to reach the endpoint (a UDP
+    connect sends nothing and needs no DNS); 127.0.0.1 when there is no route."""
+    if settings.local_addr:
+        return numeric_host(settings.local_addr)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((numeric_host(settings.host), settings.port))
+            return str(sock.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def member_addrs(state: RoundState) -> list[str]:
+    """The addresses of round ``state``'s participants (from their node ids), deduplicated."""
+    addrs: list[str] = []
+    for node in state.participants:
+        try:
+            addr = NodeId.parse(node).addr
+        except ValueError:
+            continue
+        if addr not in addrs:
+            addrs.append(addr)
+    return addrs
+
+
+def host_worker_store(addr: str, state: RoundState, token: str | None) -> StoreServer:
+    """A new native server on ``addr`` (any port) for round ``state``'s workers."""
+    server = StoreServer(addr, 0, token=token)
+    if server.requires_token:
+        # torch's TCPStore clients (the workers' MASTER_ADDR/PORT) cannot prove the token:
+        # serve the round's members' hosts (loopback always is), refuse others.
+        server.set_allowed_peers(member_addrs(state))
+    return server
+
+
+def await_boot(backend: StoreBackend, keys: Keys, rnd: int, deadline: float) -> str:
+    """The worker store's address of round ``rnd``, once rank 0 published it; raises
+    ``RoundReplaced`` when the round ends first, ``RendezvousTimeoutError`` at ``deadline``."""
+    if (value := backend.get(keys.boot(rnd))) is not None:
+        return value.decode()  # published already: one read
+    for _ in range(1 << 20):  # one pass per compacted watch history
+        rev = backend.revision()
+        value = backend.get(keys.boot(rnd))
+        if value is not None:
+            return value.decode()
+        if backend.get(keys.restart(rnd)) is not None:
+            raise RoundReplaced()
+        while time.monotonic() < deadline:
+            try:
+                event = backend.watch(keys.ctl, rev, deadline - time.monotonic())
+            except WatchCompactedError:
+                break
+            if event is None:
+                continue
+            rev = event.version
+            if event.key == keys.boot(rnd) and event.kind == "set":
+                return event.value.decode()
+            if event.key == keys.restart(rnd):
+                raise RoundReplaced()
+        else:
+            break
+    raise RendezvousTimeoutError(
+        f"round {rnd}: rank 0 did not publish the worker store within join_timeout")
