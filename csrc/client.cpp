@@ -91,8 +91,7 @@ Client::Client(std::string host, uint16_t port, ClientOptions options)
                      " bytes exceeds the limit of " + std::to_string(kMaxClientNameBytes) +
                      " bytes");
   }
-  std::random_device rd;
-  rng_.seed(rd());
+  rng_.seed(client_detail::random_seed());
   conn_ = std::make_unique<ClientTransport>(host_, port_, options_.interrupt_check,
                                             options_.interruptible, [this] {
     connected_ = false;

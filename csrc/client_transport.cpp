@@ -23,59 +23,6 @@
 
 namespace elasticstore {
 
-namespace client_detail {
-
-std::string errno_text(int err) {
-  char buf[256];
-  // GNU strerror_r returns the message pointer (maybe not buf).
-  const char* s = strerror_r(err, buf, sizeof buf);
-  return s ? std::string(s) : std::string("errno ") + std::to_string(err);
-}
-
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-std::string fmt_seconds(double s) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.3f s", s);
-  return buf;
-}
-
-std::string quote(std::string_view s) {
-  constexpr std::size_t kMax = 96;
-  std::string out = "\"";
-  for (std::size_t i = 0; i < s.size() && i < kMax; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20 || c >= 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  if (s.size() > kMax) out += "...";
-  out += '"';
-  return out;
-}
-
-Clock::time_point deadline_after(Clock::time_point from, Timeout t) {
-  // Negative, or so long that the clock arithmetic could overflow: no deadline.
-  if (t.count() < 0 || t > std::chrono::hours(24 * 365 * 10)) return Clock::time_point::max();
-  return from + t;
-}
-
-namespace {
-std::atomic<uint64_t> g_fork_generation{1};
-void on_fork_child() { g_fork_generation.fetch_add(1, std::memory_order_relaxed); }
-}  // namespace
-
-uint64_t fork_generation() { return g_fork_generation.load(std::memory_order_relaxed); }
-
-}  // namespace client_detail
-
 // A forward lookup (getaddrinfo, never a reverse one) on its own thread, so that a resolver that
 // does not answer cannot hold a call past its deadline. The thread owns a reference: a lookup
 // abandoned at the deadline finishes (and is freed) on its own.
@@ -116,11 +63,8 @@ ClientTransport::ClientTransport(std::string host, uint16_t port,
       interrupt_check_(interrupt_check),
       interruptible_(interruptible),
       on_close_(std::move(on_close)) {
-  static std::once_flag atfork_once;
-  std::call_once(atfork_once, [] { ::pthread_atfork(nullptr, nullptr, on_fork_child); });
-  std::random_device rd;
-  rng_.seed(rd());
-  fork_gen_ = fork_generation();
+  fork_gen_ = fork_generation();  // counts fork()s from the first client on
+  rng_.seed(random_seed());
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) throw NetworkError("eventfd: " + errno_text(errno));
 }

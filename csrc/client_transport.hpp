@@ -41,7 +41,8 @@ inline constexpr std::chrono::milliseconds kIdleCheck{100};
 
 // Incremented in the child by a pthread_atfork handler: a connection made under another value
 // was inherited across fork().
-uint64_t fork_generation();
+uint64_t fork_generation();  // registers the handler at its first call
+uint32_t random_seed();  // a seed for a client's jitter and ids (getrandom)
 
 std::string errno_text(int err);
 double seconds(Clock::duration d);
