@@ -1,5 +1,7 @@
 #include "py_interop.hpp"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <system_error>
 
@@ -62,6 +64,24 @@ void translate_exception(std::exception_ptr p) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   }
+}
+
+// ---- GIL release (see py_interop.hpp) --------------------------------------------------------
+namespace {
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+}  // namespace
+
+GilRelease::~GilRelease() {
+  if (interpreter_finalizing() && PyThread_get_thread_ident() != g_main_thread_ident) {
+    for (;;) ::pause();  // never returns: exit() ends the process with this thread in it
+  }
+  PyEval_RestoreThread(state_);
 }
 
 // ---- interrupts (see py_interop.hpp) ---------------------------------------------------------

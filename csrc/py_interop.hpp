@@ -48,6 +48,22 @@ extern unsigned long g_main_thread_ident;  // set by the module init: signals go
 bool python_interrupt_check();
 bool python_interruptible();
 
+// Releases the GIL for a blocking call and takes it back after, unless the interpreter started
+// finalizing meanwhile and this is not the thread finalizing it. Such a thread (a daemon thread
+// whose call returned at exit) would be ended inside PyEval_RestoreThread by pthread_exit, whose
+// forced unwind through this destructor (noexcept) aborts the process ("terminate called without
+// an active exception"). It is parked instead, as Python 3.14 itself does; the process is ending.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease();
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 template <typename F>
 auto call_blocking(F&& f) -> decltype(f()) {
   InterruptSlot slot;
@@ -58,7 +74,7 @@ auto call_blocking(F&& f) -> decltype(f()) {
     InterruptSlot* prev;
   } scope(main_thread ? &slot : nullptr);
   try {
-    py::gil_scoped_release release;
+    GilRelease release;
     return f();
   } catch (const es::InterruptedError&) {
     // The GIL is held again here.

@@ -338,6 +338,33 @@ def test_init_method_with_this_machines_name() -> None:
 
 # -- item 16: two syscalls per call on a recently used connection -----------------------------------
 
+_EXIT_DURING_A_CALL = textwrap.dedent(
+    """
+    import sys, threading, time
+    from datetime import timedelta
+    from elasticstore import Store
+    host, port, early = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    store = Store(host, port, timeout=timedelta(seconds=1))
+    threading.Thread(target=lambda: store.get("never"), daemon=True).start()
+    time.sleep(1.0 - early)  # the thread's get() times out while the interpreter finalizes
+    print("exiting", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("early", [0.05, 0.2])
+def test_a_daemon_thread_whose_call_ends_at_exit_does_not_abort(server: StoreServer,
+                                                                 early: float) -> None:
+    """A daemon thread taking the GIL back while the interpreter finalizes is ended by
+    pthread_exit; unwinding through the GIL guard used to abort the process (exit -6, "terminate
+    called without an active exception"). Now the thread is parked and the process exits 0."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_CALL, server.host,
+                           str(server.port), str(early)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stderr
+    assert "terminate called" not in proc.stderr
+
+
 _LOOP = textwrap.dedent(
     """
     import os, sys
