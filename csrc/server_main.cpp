@@ -11,15 +11,23 @@
 // SIGINT or SIGTERM, then stops cleanly (exit 0). A bad flag exits 2 naming the flag and why; a
 // failure to listen exits 1 with the reason.
 
+#include <arpa/inet.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "auth.hpp"
 #include "server.hpp"
@@ -32,6 +40,9 @@ using elasticstore::ServerConfig;
 constexpr const char* kProg = "elasticstore-server";
 constexpr int kDefaultPort = 29400;  // as `elasticstore server`
 constexpr int kExitUsage = 2;
+// A --host name (not a numeric address) is looked up forward once at start; a resolver that has
+// not answered by then fails the start.
+constexpr std::chrono::seconds kResolveTimeout{10};
 
 const char* const kUsage =
     "usage: elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N]\n"
@@ -39,8 +50,9 @@ const char* const kUsage =
     "                           [--token-file PATH] [--allow-unauthenticated-from CIDR]...\n"
     "\n"
     "Serves an elasticstore (native and torch TCPStore protocols on one port) until SIGINT or\n"
-    "SIGTERM. --host: numeric address to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
-    "interface), --port: default 29400, 0 picks a free one; --backlog: 0 uses somaxconn;\n"
+    "SIGTERM. --host: address or host name to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
+    "interface; a name is looked up forward once, never in reverse), --port: default 29400, 0\n"
+    "picks a free one; --backlog: 0 uses somaxconn;\n"
     "--max-connections: default 65536; --log-level: default warning.\n"
     "--token-file: a file holding the shared token native clients must prove (default: the\n"
     "file named by $ELASTICSTORE_TOKEN_FILE, else $ELASTICSTORE_TOKEN, else no token); with a\n"
@@ -163,6 +175,56 @@ std::string load_token(std::string file) {
   return env;
 }
 
+bool is_numeric_host(const std::string& host) {
+  unsigned char buf[sizeof(in6_addr)];
+  return ::inet_pton(AF_INET, host.c_str(), buf) == 1 ||
+         ::inet_pton(AF_INET6, host.c_str(), buf) == 1;
+}
+
+// The first address a forward lookup of `host` gives, as numeric text; exits 2 naming --host
+// when there is none or the resolver does not answer within kResolveTimeout.
+std::string resolve_host(const std::string& host) {
+  struct Lookup {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    int rc = 0;
+    std::string addr;
+  };
+  auto lookup = std::make_shared<Lookup>();
+  std::thread([lookup, host] {  // owns a reference: a lookup given up on finishes on its own
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (rc == 0 && res != nullptr) {
+      const sockaddr* sa = res->ai_addr;
+      const void* a = res->ai_family == AF_INET6
+                          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr)
+                          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr);
+      ::inet_ntop(res->ai_family, a, text, sizeof text);  // formatting only: no lookup
+    }
+    if (res != nullptr) ::freeaddrinfo(res);
+    std::lock_guard<std::mutex> lock(lookup->mu);
+    lookup->rc = rc;
+    lookup->addr = text;
+    lookup->done = true;
+    lookup->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(lookup->mu);
+  if (!lookup->cv.wait_for(lock, kResolveTimeout, [&] { return lookup->done; })) {
+    bad_flag("--host", "'" + host + "' did not resolve within " +
+                           std::to_string(kResolveTimeout.count()) + " s");
+  }
+  if (lookup->rc != 0 || lookup->addr.empty()) {
+    bad_flag("--host", "cannot resolve '" + host + "': " +
+                           (lookup->rc != 0 ? ::gai_strerror(lookup->rc) : "no address"));
+  }
+  return lookup->addr;
+}
+
 ServerConfig parse_args(int argc, char** argv) {
   ServerConfig cfg;
   cfg.port = kDefaultPort;
@@ -212,6 +274,7 @@ ServerConfig parse_args(int argc, char** argv) {
     }
   }
   cfg.token = load_token(token_file);
+  if (cfg.host != "localhost" && !is_numeric_host(cfg.host)) cfg.host = resolve_host(cfg.host);
   return cfg;
 }
 

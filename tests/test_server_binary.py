@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import sysconfig
@@ -93,3 +94,41 @@ def test_help() -> None:
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0 and err == ""
     assert out.startswith("usage: elasticstore-server")
+
+
+def _own_name_and_address() -> tuple[str, str] | None:
+    """This machine's name and the address it resolves to, if that address can be bound here."""
+    name = socket.gethostname()
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family) as probe:
+            probe.bind((sockaddr[0], 0))
+    except OSError:
+        return None
+    return name, str(sockaddr[0])
+
+
+def test_host_name_is_resolved_forward_once() -> None:
+    found = _own_name_and_address()
+    if found is None:
+        pytest.skip("this machine's name does not resolve to an address it can bind")
+    name, addr = found
+    proc = _run("--host", name, "--port", "0")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        shown = f"[{addr}]" if ":" in addr else addr
+        assert line.startswith(f"elasticstore server listening on {shown}:"), line
+        port = int(line.strip().rsplit(":", 1)[1])
+        with Store(addr, port, timeout=timedelta(seconds=10)) as store:
+            store.set("k", "v")
+    finally:
+        procs.kill_all([proc])
+
+
+def test_unresolvable_host_names_the_flag() -> None:
+    p = _run("--host", "no-such-host.invalid", "--port", "0")
+    out, err = p.communicate(timeout=60)  # the lookup is bounded by 10 s
+    assert p.returncode == 2 and out == ""
+    assert err.startswith("elasticstore-server: argument --host: "), err
+    assert "'no-such-host.invalid'" in err, err

@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = sub.add_parser("server", help="run a store server until SIGINT/SIGTERM")
-    server.add_argument("--host", default="127.0.0.1", help="numeric address to bind")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address or host name to bind (a name is looked up forward once)")
     server.add_argument("--port", type=_port, default=29400, help="0 picks a free port")
     server.add_argument(
         "--backlog", type=_int_at_least(0, "a backlog >= 0"), default=0, help="0: somaxconn"
