@@ -227,10 +227,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""
         try:
-            self._leave_round()
-            heartbeat, self._heartbeat = self._heartbeat, None
-            if heartbeat is not None:
-                heartbeat.stop(delete=True)
+            try:
+                self._leave_round()
+            finally:  # no thread of this node outlives it, whatever failed
+                heartbeat, self._heartbeat = self._heartbeat, None
+                if heartbeat is not None:
+                    heartbeat.stop(delete=True)
             if self._alive:
                 self._backend.delete(self._keys.alive(self._node))
                 self._alive = False
@@ -384,7 +386,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         )
 
     def _leave_round(self) -> None:
-        self._drop_join()
+        """Stops the ring watcher and closes the round's worker store; then deletes the join key,
+        which raises when the rendezvous store is gone (nothing else is skipped then)."""
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
@@ -395,4 +398,5 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if server is not None:
             server.close()
         self._round = None
+        self._drop_join()
 
