@@ -22,6 +22,15 @@ def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
         yield opened
 
 
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[object]:
+    """A one-member etcd cluster (etcd_cluster.Cluster) shared by a test module."""
+    import etcd_cluster
+
+    with etcd_cluster.running(1) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def server() -> Iterator[object]:
     import elasticstore

@@ -25,12 +25,6 @@ from elasticstore import StoreError, StoreNetworkError, StoreTimeoutError
 T5 = timedelta(seconds=5)
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[etcd_cluster.Cluster]:
-    with etcd_cluster.running(1) as cluster:
-        yield cluster
-
-
 @pytest.fixture
 def prefix() -> str:
     return f"/test/{uuid.uuid4().hex}"

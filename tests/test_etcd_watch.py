@@ -23,12 +23,6 @@ from elasticstore import StoreError, StoreTimeoutError, _etcd_client, _etcd_watc
 T5 = timedelta(seconds=5)
 
 
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[etcd_cluster.Cluster]:
-    with etcd_cluster.running(1) as cluster:
-        yield cluster
-
-
 @pytest.fixture
 def store(etcd: etcd_cluster.Cluster) -> Iterator[elasticstore.EtcdStore]:
     with elasticstore.EtcdStore(etcd.endpoints, prefix=f"/test/{uuid.uuid4().hex}",

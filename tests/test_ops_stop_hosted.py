@@ -61,12 +61,19 @@ def assert_stopped_cleanly(out: str) -> None:
     assert not any("Error" in line or "failed" in line for line in mine), out
 
 
+def start_both(a: Any, port: int, conf: list[str]) -> tuple[Any, Any]:
+    """The hosting agent on 127.0.0.2 and the other on 127.0.0.3, once both workers are past
+    init_process_group."""
+    host = a.start(node_flags("127.0.0.2", port, "2", 1, *conf), name="host")
+    other = a.start(node_flags("127.0.0.3", port, "2", 1, *conf), name="other")
+    until(lambda: len(a.inits(0)) == 2, 120, "2 workers past init_process_group")
+    return host, other
+
+
 def test_stop_a_job_whose_agent_hosts_the_store(tmp_path: Any) -> None:
     port = free_port()
     with agents(str(tmp_path)) as a:
-        host = a.start(node_flags("127.0.0.2", port, "2", 1, *CONF), name="host")
-        other = a.start(node_flags("127.0.0.3", port, "2", 1, *CONF), name="other")
-        until(lambda: len(a.inits(0)) == 2, 120, "2 workers past init_process_group")
+        host, other = start_both(a, port, CONF)
         st = until(lambda: running(port), 30, "both members running")
         assert [m["addr"] for m in st["members"]] == ["127.0.0.2", "127.0.0.3"]
         assert st["store"]["keys"] > 0 and st["closed"] is None
@@ -88,9 +95,7 @@ def test_host_leaves_first_the_other_still_stops_cleanly(tmp_path: Any) -> None:
     port = free_port()
     conf = [CONF[0], CONF[1] + ",lease_ttl=60", *CONF[2:]]
     with agents(str(tmp_path)) as a:
-        host = a.start(node_flags("127.0.0.2", port, "2", 1, *conf), name="host")
-        other = a.start(node_flags("127.0.0.3", port, "2", 1, *conf), name="other")
-        until(lambda: len(a.inits(0)) == 2, 120, "2 workers past init_process_group")
+        host, other = start_both(a, port, conf)
         until(lambda: watching(port), 30, "both members running and watching the round")
 
         os.kill(other.pid, signal.SIGSTOP)
@@ -116,9 +121,7 @@ def test_host_gone_before_the_other_thaws(tmp_path: Any) -> None:
     port = free_port()
     conf = [CONF[0], CONF[1] + ",lease_ttl=2", *CONF[2:]]
     with agents(str(tmp_path)) as a:
-        host = a.start(node_flags("127.0.0.2", port, "2", 1, *conf), name="host")
-        other = a.start(node_flags("127.0.0.3", port, "2", 1, *conf), name="other")
-        until(lambda: len(a.inits(0)) == 2, 120, "2 workers past init_process_group")
+        host, other = start_both(a, port, conf)
         until(lambda: watching(port), 30, "both members running and watching the round")
 
         os.kill(other.pid, signal.SIGSTOP)

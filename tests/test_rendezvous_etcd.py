@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,12 +21,6 @@ pytestmark = pytest.mark.slow
 
 FAST = {"last_call_timeout": 0.3, "join_timeout": 30, "lease_ttl": 1}
 _RUNS = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def etcd() -> Iterator[etcd_cluster.Cluster]:
-    with etcd_cluster.running(1) as cluster:
-        yield cluster
 
 
 def maker(endpoints: list[str]) -> Callable[..., Agents]:

@@ -165,7 +165,8 @@ def test_bad_token_file_refused_by_elasticstore_run(tmp_path: Path) -> None:
     assert "never" not in proc.stdout
 
 
-WORKER = textwrap.dedent("""
+# The start of both worker scripts: the round's store refuses a client without the token.
+REFUSES_WITHOUT_TOKEN = textwrap.dedent("""
     import os
     from datetime import timedelta
     import torch.distributed as dist
@@ -177,7 +178,8 @@ WORKER = textwrap.dedent("""
         raise SystemExit("the round's store served a client without the token")
     except AuthenticationError:
         pass
-
+""")
+WORKER = REFUSES_WITHOUT_TOKEN + textwrap.dedent("""
     assert "ELASTICSTORE_TOKEN" not in os.environ
     assert os.environ["ELASTICSTORE_TOKEN_FILE"] == os.environ["EXPECTED_TOKEN_FILE"]
     rank = int(os.environ["RANK"])
@@ -210,19 +212,7 @@ def test_elasticstore_run_workers_use_the_token_file(tmp_path: Path, token_file:
     assert TOKEN not in out
 
 
-TORCHRUN_WORKER = textwrap.dedent("""
-    import os
-    from datetime import timedelta
-    import torch.distributed as dist
-    from elasticstore import AuthenticationError, Store
-
-    try:  # the round's store requires the token
-        Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), token="",
-              timeout=timedelta(seconds=5)).get("x")
-        raise SystemExit("the round's store served a client without the token")
-    except AuthenticationError:
-        pass
-
+TORCHRUN_WORKER = REFUSES_WITHOUT_TOKEN + textwrap.dedent("""
     rank = int(os.environ["RANK"])
     # torchrun's agent: the workers inherit ELASTICSTORE_TOKEN_FILE from torchrun's environment.
     with Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) as st:
