@@ -23,20 +23,23 @@
 
 namespace elasticstore {
 
-// A forward lookup (getaddrinfo, never a reverse one) on its own thread, so that a resolver that
-// does not answer cannot hold a call past its deadline. The thread owns a reference: a lookup
-// abandoned at the deadline finishes (and is freed) on its own.
-struct ResolveJob {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  int rc = 0;
-  int err = 0;  // errno, for EAI_SYSTEM
-  addrinfo* res = nullptr;
-  ~ResolveJob() {
-    if (res) ::freeaddrinfo(res);
-  }
-};
+std::shared_ptr<ResolveJob> start_lookup(const std::string& host, const std::string& service,
+                                         const addrinfo& hints) {
+  auto job = std::make_shared<ResolveJob>();
+  std::thread([job, host, service, hints] {
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), service.empty() ? nullptr : service.c_str(),
+                                 &hints, &res);
+    const int err = errno;
+    std::lock_guard<std::mutex> lock(job->mu);
+    job->rc = rc;
+    job->err = err;
+    job->res = res;
+    job->done = true;
+    job->cv.notify_all();
+  }).detach();
+  return job;
+}
 
 namespace {
 
@@ -179,20 +182,8 @@ std::shared_ptr<ResolveJob> ClientTransport::resolve(Clock::time_point deadline,
     // A name: a forward lookup on a thread (a lookup still running from an earlier attempt is
     // waited for rather than started again), bounded by the deadline.
     if (!resolving_) {
-      job->res = nullptr;
-      resolving_ = job;
       hints.ai_flags = AI_NUMERICSERV;  // no AI_CANONNAME: never a reverse lookup
-      std::thread([job, host = host_, service, hints] {
-        addrinfo* res = nullptr;
-        const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
-        const int err = errno;
-        std::lock_guard<std::mutex> lock(job->mu);
-        job->rc = rc;
-        job->err = err;
-        job->res = res;
-        job->done = true;
-        job->cv.notify_all();
-      }).detach();
+      resolving_ = start_lookup(host_, service, hints);
     }
     job = resolving_;
     const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());

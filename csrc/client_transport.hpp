@@ -11,12 +11,16 @@
 // idle for more than kIdleCheck.
 #pragma once
 
+#include <netdb.h>
+
 #include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <string_view>
@@ -54,7 +58,24 @@ Clock::time_point deadline_after(Clock::time_point from, Timeout t);
 
 // One connection's transport. Not thread-safe: the Client serializes calls with its mutex; only
 // signal_close(), closed() and check_not_closed() may be called from any thread.
-struct ResolveJob;  // a forward lookup on its own thread (client_transport.cpp)
+// A forward lookup (getaddrinfo, never a reverse one) on its own thread, so that a resolver that
+// does not answer cannot hold a caller past its deadline. The thread owns a reference: a lookup
+// abandoned at the deadline finishes (and is freed) on its own.
+struct ResolveJob {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int rc = 0;
+  int err = 0;  // errno, for EAI_SYSTEM
+  addrinfo* res = nullptr;
+  ~ResolveJob() {
+    if (res) ::freeaddrinfo(res);
+  }
+};
+
+// Starts the lookup of host (service may be empty) with hints; wait on the job's cv for done.
+std::shared_ptr<ResolveJob> start_lookup(const std::string& host, const std::string& service,
+                                         const addrinfo& hints);
 
 class ClientTransport {
  public:

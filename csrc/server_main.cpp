@@ -19,17 +19,15 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "auth.hpp"
+#include "client_transport.hpp"
 #include "server.hpp"
 
 namespace {
@@ -184,45 +182,27 @@ bool is_numeric_host(const std::string& host) {
 // The first address a forward lookup of `host` gives, as numeric text; exits 2 naming --host
 // when there is none or the resolver does not answer within kResolveTimeout.
 std::string resolve_host(const std::string& host) {
-  struct Lookup {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    int rc = 0;
-    std::string addr;
-  };
-  auto lookup = std::make_shared<Lookup>();
-  std::thread([lookup, host] {  // owns a reference: a lookup given up on finishes on its own
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-    char text[INET6_ADDRSTRLEN] = {0};
-    if (rc == 0 && res != nullptr) {
-      const sockaddr* sa = res->ai_addr;
-      const void* a = res->ai_family == AF_INET6
-                          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr)
-                          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr);
-      ::inet_ntop(res->ai_family, a, text, sizeof text);  // formatting only: no lookup
-    }
-    if (res != nullptr) ::freeaddrinfo(res);
-    std::lock_guard<std::mutex> lock(lookup->mu);
-    lookup->rc = rc;
-    lookup->addr = text;
-    lookup->done = true;
-    lookup->cv.notify_all();
-  }).detach();
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  const auto lookup = elasticstore::start_lookup(host, "", hints);
   std::unique_lock<std::mutex> lock(lookup->mu);
   if (!lookup->cv.wait_for(lock, kResolveTimeout, [&] { return lookup->done; })) {
     bad_flag("--host", "'" + host + "' did not resolve within " +
                            std::to_string(kResolveTimeout.count()) + " s");
   }
-  if (lookup->rc != 0 || lookup->addr.empty()) {
+  const addrinfo* ai = lookup->res;
+  if (lookup->rc != 0 || ai == nullptr) {
     bad_flag("--host", "cannot resolve '" + host + "': " +
                            (lookup->rc != 0 ? ::gai_strerror(lookup->rc) : "no address"));
   }
-  return lookup->addr;
+  char text[INET6_ADDRSTRLEN] = {0};
+  const void* addr =
+      ai->ai_family == AF_INET6
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(ai->ai_addr)->sin6_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr);
+  ::inet_ntop(ai->ai_family, addr, text, sizeof text);  // formatting only: no lookup
+  return text;
 }
 
 ServerConfig parse_args(int argc, char** argv) {
