@@ -12,7 +12,9 @@
 ``server`` prints ``elasticstore server listening on H:P`` once it accepts connections and serves
 until SIGINT or SIGTERM. The client commands talk to ``--addr`` (default: ``$ELASTICSTORE_ADDR``,
 else ``127.0.0.1:29400``). The token (docs/authentication.md): ``--token-file``, else the file
-named by ``$ELASTICSTORE_TOKEN_FILE``, else ``$ELASTICSTORE_TOKEN``, else none.
+named by ``$ELASTICSTORE_TOKEN_FILE``, else ``$ELASTICSTORE_TOKEN``, else none. Text that comes
+from the store (``ls``'s keys, ``status``'s table) shows control characters as escapes (``\\x1b``),
+so a key or record cannot drive the terminal; ``get`` writes the value's bytes as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from .server_limits import add_limit_flags, limits_from_args
 
@@ -254,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
+    from .ops.terminal import printable
     from .store import Store
 
     host, port = args.addr
@@ -262,14 +267,14 @@ def _client(args: argparse.Namespace) -> int:
         if args.command == "get":
             value = store.try_get(args.key)
             if value is None:
-                print(f"elasticstore: {args.key}: no such key", file=sys.stderr)
+                print(f"elasticstore: {printable(args.key)}: no such key", file=sys.stderr)
                 return 1
             sys.stdout.buffer.write(value + b"\n")
         elif args.command == "set":
             store.set(args.key, args.value)
         elif args.command == "ls":
             for key in store.list_keys(args.prefix):
-                print(key)
+                print(printable(key))
         else:
             for name, count in sorted(store.stats().items()):
                 print(f"{name} {count}")
@@ -290,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # bind/listen failures: OSError(errno, message) without "[Errno N]"
         print(f"elasticstore: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    except (RuntimeError, ValueError) as exc:  # store and network errors included
+    except (RuntimeError, ValueError, RendezvousError) as exc:  # store and network errors too
         print(f"elasticstore: {exc}", file=sys.stderr)
         return 1
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from ..rendezvous.records import int_field, parse_record
 from . import drain
 from .config import AgentSettings
 from .envs import worker_argv, worker_env
@@ -48,6 +49,14 @@ from .workers import WorkerGroup, WorkerSpec, signal_name
 __all__ = ["Agent"]
 
 _SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
+
+
+def _nproc_of(value: bytes, node: int) -> int:
+    """A node's worker count from its record in the round's store (validated: the store is input)."""
+    nproc = int_field(parse_record(value, f"node {node}'s worker count"), "nproc")
+    if nproc is None or nproc < 1:
+        raise ValueError(f"node {node}'s worker count is not a positive integer: {value[:80]!r}")
+    return nproc
 
 
 class Agent:
@@ -215,7 +224,7 @@ class Agent:
         store.set(prefix + f"node/{info.rank}", json.dumps({"nproc": self.s.nproc}))
         keys = [prefix + f"node/{i}" for i in range(info.world_size)]
         store.wait(keys, timedelta(seconds=300))
-        counts = [json.loads(v)["nproc"] for v in store.multi_get(keys)]
+        counts = [_nproc_of(v, node) for node, v in enumerate(store.multi_get(keys))]
         return attempt, sum(counts[: info.rank]), sum(counts)
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..rendezvous.closing import parse_json
+from ..rendezvous.records import int_field, number_field, parse_json, str_field
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists, read_round
+from .terminal import printable
 
 __all__ = ["MEMBER_COLUMNS", "footer_lines", "header_lines", "job_status", "member_rows", "render"]
 
@@ -58,39 +59,46 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
     for rank, node in enumerate(participants):
         rec = records.get(node, {})
         members.append({
-            "node": node, "addr": rec.get("addr", node.rsplit("-", 2)[0]), "group_rank": rank,
-            "local_workers": rec.get("local_workers"), "state": rec.get("state", "unknown"),
-            "round": rec.get("round"), "alive": node in alive, "host": rec.get("host"),
+            "node": node, "addr": str_field(rec, "addr", node.rsplit("-", 2)[0]),
+            "group_rank": rank, "local_workers": int_field(rec, "local_workers"),
+            "state": str_field(rec, "state", "unknown"), "round": int_field(rec, "round"),
+            "alive": node in alive, "host": str_field(rec, "host"),
         })
     formed = [records[n] for n in participants if n in records and rnd
-              and records[n].get("round") == rnd.round]
+              and int_field(records[n], "round") == rnd.round]
     round_obj = None
     if rnd is not None:
         round_obj = {
             "number": rnd.round, "world_size": rnd.world_size,
-            "formed_at": min((r.get("formed_at") or 0 for r in formed), default=None) or None,
-            "rendezvous_seconds": max((r.get("rendezvous_seconds") or 0 for r in formed),
-                                      default=None),
-            "workers": sum(int(r.get("local_workers") or 0) for r in formed) or None,
+            "formed_at": min((number_field(r, "formed_at") or 0.0 for r in formed),
+                             default=None) or None,
+            "rendezvous_seconds": max((number_field(r, "rendezvous_seconds") or 0.0
+                                       for r in formed), default=None),
+            "workers": sum(int_field(r, "local_workers", 0) or 0 for r in formed) or None,
         }
     waiting = [n for n in alive if n not in participants and n not in standby]
+    closed_reason = closed_obj.get("reason", "closed") if isinstance(closed_obj, dict) else None
     return {
         "run_id": addr.run_id, "endpoint": addr.endpoint, "backend": addr.backend,
-        "closed": (closed_obj.get("reason", "closed") if isinstance(closed_obj, dict)
+        "closed": (str(closed_reason) if closed_reason is not None
                    else ("closed" if closed is not None else None)),
         "round": round_obj, "members": members, "standby": standby, "waiting": waiting,
         "restarts": rnd.round - 1 if rnd else 0,
-        "failure_restarts": max((int(r.get("failure_restarts") or 0) for r in records.values()),
-                                default=0),
+        "failure_restarts": max((int_field(r, "failure_restarts", 0) or 0
+                                 for r in records.values()), default=0),
         "last_failure": failure if isinstance(failure, dict) else None,
         "store": health,
     }
 
 
 def _when(stamp: Any) -> str:
-    if not isinstance(stamp, (int, float)):
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
         return "?"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f" ({time.time() - stamp:.0f}s ago)"
+    try:
+        return (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+                + f" ({time.time() - stamp:.0f}s ago)")
+    except (OverflowError, ValueError, OSError):  # beyond the platform's time range
+        return "?"
 
 
 MEMBER_COLUMNS = ("RANK", "NODE", "ADDR", "WORKERS", "STATE")
@@ -98,8 +106,8 @@ MEMBER_COLUMNS = ("RANK", "NODE", "ADDR", "WORKERS", "STATE")
 
 def header_lines(st: dict[str, Any]) -> list[str]:
     """The job, whether it is closed, and its round."""
-    lines = [f"job {st['run_id']} at {st['endpoint']} ({st['backend']})"
-             + (f": CLOSED ({st['closed']})" if st["closed"] else "")]
+    lines = [f"job {printable(st['run_id'])} at {st['endpoint']} ({st['backend']})"
+             + (f": CLOSED ({printable(st['closed'])})" if st["closed"] else "")]
     rnd = st["round"]
     if rnd is None:
         lines.append("round: none formed yet")
@@ -113,22 +121,23 @@ def header_lines(st: dict[str, Any]) -> list[str]:
 
 def member_rows(st: dict[str, Any]) -> list[tuple[str, ...]]:
     """One row per member, in MEMBER_COLUMNS order."""
-    return [(str(m["group_rank"]), m["node"], m["addr"], str(m["local_workers"] or "?"),
-             m["state"] + ("" if m["alive"] else " (lost)")) for m in st["members"]]
+    return [(str(m["group_rank"]), printable(m["node"]), printable(m["addr"]),
+             str(m["local_workers"] or "?"),
+             printable(m["state"]) + ("" if m["alive"] else " (lost)")) for m in st["members"]]
 
 
 def footer_lines(st: dict[str, Any]) -> list[str]:
     """Waiting and standby nodes, restarts, the last failure, the store's health."""
-    lines = [f"waiting: {', '.join(st['waiting']) or 'none'}; "
-             f"standby: {', '.join(st['standby']) or 'none'}",
+    lines = [f"waiting: {printable(', '.join(st['waiting'])) or 'none'}; "
+             f"standby: {printable(', '.join(st['standby'])) or 'none'}",
              f"restarts: {st['restarts']} (after failures: {st['failure_restarts']})"]
     f = st["last_failure"]
     if f:
-        lines.append(f"last failure: rank {f.get('rank')} on {f.get('host')}: "
-                     f"{f.get('how')} (exit code {f.get('exit_code')}) at {_when(f.get('when'))}: "
-                     f"{f.get('message')}")
+        lines.append(printable(
+            f"last failure: rank {f.get('rank')} on {f.get('host')}: {f.get('how')} "
+            f"(exit code {f.get('exit_code')}) at {_when(f.get('when'))}: {f.get('message')}"))
     health = st["store"]
-    lines.append("store: " + (health["error"] if "error" in health else
+    lines.append("store: " + (printable(health["error"]) if "error" in health else
                               ", ".join(f"{k} {v}" for k, v in sorted(health.items()))))
     return lines
 

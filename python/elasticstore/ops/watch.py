@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from .status import MEMBER_COLUMNS, footer_lines, header_lines, member_rows, render
+from .terminal import printable
 
 __all__ = ["MIN_INTERVAL", "watch"]
 
@@ -23,7 +24,7 @@ _CLEAR = "\x1b[H\x1b[2J"
 
 
 def _error_line(exc: BaseException) -> str:
-    return f"{time.strftime('%H:%M:%S')} the store did not answer: {exc} (retrying)"
+    return f"{time.strftime('%H:%M:%S')} the store did not answer: {printable(exc)} (retrying)"
 
 
 def _rich_view(st: dict[str, Any] | None, error: str | None) -> Any:
@@ -36,7 +37,7 @@ def _rich_view(st: dict[str, Any] | None, error: str | None) -> Any:
     table = Table(*MEMBER_COLUMNS, box=None, pad_edge=False)
     for row in member_rows(st):
         style = "red" if row[-1].endswith("(lost)") else None
-        table.add_row(*row, style=style)
+        table.add_row(*(Text(cell) for cell in row), style=style)  # cells are text, not markup
     parts: list[Any] = [Text("\n".join(header_lines(st)), style="bold"), table,
                         Text("\n".join(footer_lines(st)))]
     if error:

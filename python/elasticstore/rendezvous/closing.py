@@ -10,29 +10,19 @@ it, with no second read that could find the store gone (its host may have left a
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import WatchCompactedError
 from .backend import StoreBackend
+from .records import parse_json
 
 __all__ = ["WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
            "stop_reason_of", "wait_alone"]
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
 WAIT_SLICE = 1.0  # seconds: the longest single watch while serving until the others left
-
-
-def parse_json(data: bytes | None) -> Any:
-    """A record's JSON value; None when absent or not JSON."""
-    if data is None:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
 
 
 def closed_reason_of(data: bytes | None) -> str | None:

@@ -27,6 +27,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
+from .records import RecordError, parse_record
+
 __all__ = ["SCHEMA", "Keys", "NodeId", "RoundState", "node_sort_key"]
 
 SCHEMA = 1
@@ -95,15 +97,19 @@ class RoundState:
     @classmethod
     def from_json(cls, data: bytes) -> RoundState:
         try:
-            obj: Any = json.loads(data)
+            obj: Any = parse_record(data, "the round record")
             if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
                 raise ValueError(f"schema {obj.get('schema') if isinstance(obj, dict) else obj!r}")
             rnd, parts, standby = obj["round"], obj["participants"], obj["standby"]
-            if not isinstance(rnd, int) or rnd < 1:
+            if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 1:
                 raise ValueError(f"round {rnd!r}")
+            if not isinstance(parts, list) or not isinstance(standby, list):
+                raise ValueError("participants and standby must be lists")
             if not all(isinstance(p, str) for p in [*parts, *standby]):
                 raise ValueError("node ids must be strings")
             return cls(rnd, tuple(parts), tuple(standby))
+        except RecordError as exc:
+            raise RendezvousStateError(f"the rendezvous round record is not valid: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise RendezvousStateError(
                 f"the rendezvous round record is not valid (expected schema {SCHEMA} JSON): "
