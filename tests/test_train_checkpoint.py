@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import elasticstore
-from elasticstore.train import list_checkpoints, load_checkpoint, save_checkpoint
+from elasticstore.train import (CheckpointConflictError, list_checkpoints, load_checkpoint,
+                                save_checkpoint)
 
 
 def test_save_load_keep_and_order(tmp_path: Path) -> None:
@@ -38,6 +39,24 @@ def test_bad_arguments(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, {}, -1)
     with pytest.raises(ValueError, match="keep"):
         save_checkpoint(tmp_path, {}, 1, keep=0)
+
+
+def test_a_save_older_than_the_directory_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """A new run reusing a directory that holds later steps: the save would be pruned at once and
+    return the path of a deleted file, and a resume would load the old run's step."""
+    for step in (20, 30):
+        save_checkpoint(tmp_path, {"run": 1, "step": step}, step)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointConflictError, match=r"later steps \(20, 30\) than step 10"):
+        save_checkpoint(tmp_path, {"run": 2, "step": 10}, 10)
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, nothing pruned
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.state == {"run": 1, "step": 30}
+    again = save_checkpoint(tmp_path, {"run": 1, "step": 30, "again": True}, 30)  # same step: replaced
+    assert os.path.exists(again) and [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]
+    new_dir = tmp_path / "run2"
+    path = save_checkpoint(new_dir, {"run": 2}, 10)
+    assert os.path.exists(path)
 
 
 def test_truncated_and_corrupt_files_are_skipped_with_a_warning(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .checkpoint import (
     Checkpoint,
+    CheckpointConflictError,
     list_checkpoints,
     load_checkpoint,
     load_checkpoint_from_any_rank,
@@ -20,6 +21,7 @@ from .sampler import ElasticDistributedSampler
 
 __all__ = [
     "Checkpoint",
+    "CheckpointConflictError",
     "ElasticDistributedSampler",
     "list_checkpoints",
     "load_checkpoint",

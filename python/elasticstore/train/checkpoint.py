@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Checkpoint", "list_checkpoints", "load_checkpoint", "load_checkpoint_from_any_rank",
+__all__ = ["Checkpoint", "CheckpointConflictError", "list_checkpoints", "load_checkpoint", "load_checkpoint_from_any_rank",
            "save_checkpoint"]
 
 _NAME = re.compile(r"^ckpt-(\d{12,})\.pt$")
@@ -64,16 +64,32 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, str]]
     return sorted(found)
 
 
+class CheckpointConflictError(ValueError):
+    """``save_checkpoint`` of a step older than a checkpoint already in the directory."""
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str], state: Any, step: int, keep: int = 2
 ) -> str:
     """Writes ``state`` (anything ``torch.save`` takes) as the checkpoint of ``step``, atomically;
-    then keeps the newest ``keep`` checkpoints. Returns the file's path."""
+    then keeps the newest ``keep`` checkpoints. Returns the file's path.
+
+    Raises ``CheckpointConflictError`` before writing anything when the directory already holds a
+    later step (a new run reusing a directory, or a resume from an older checkpoint): the new file
+    would be the first one pruned, and a resume would load the later, unrelated step. Saving the
+    same step again replaces it."""
     if step < 0:
         raise ValueError(f"step must be >= 0, not {step}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, not {keep}")
     directory = os.fspath(directory)
+    later = [s for s, _ in list_checkpoints(directory) if s > step]
+    if later:
+        raise CheckpointConflictError(
+            f"{directory} holds checkpoints of later steps ({', '.join(map(str, later[-3:]))}"
+            f"{', ...' if len(later) > 3 else ''}) than step {step}: they would outrank the new "
+            "one (a resume loads the newest) and it would be pruned at once; nothing was written. "
+            "Use a fresh directory for a new run, or remove the later checkpoints")
     os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, _name(step))
     tmp = os.path.join(directory, f".{_name(step)}.{uuid.uuid4().hex}.tmp")
