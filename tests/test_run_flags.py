@@ -75,7 +75,8 @@ def test_start_methods_and_output_flags() -> None:
         (["--redirects", "7", "t.py"], "--redirects"),
         (["--start-method", "thread", "t.py"], "--start-method"),
         (["--signals-to-handle", "SIGNOPE", "t.py"], "--signals-to-handle"),
-        (["--nnodes", "2", "t.py"], "--rdzv-endpoint"),
+        (["--nnodes", "1:2", "t.py"], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
         (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
         (["--rdzv-conf", "novalue", "t.py"], "--rdzv-conf"),
         (["--logs-specs", "x", "t.py"], "--logs-specs"),
@@ -104,3 +105,16 @@ def test_legacy_launch_flags() -> None:
     assert not parse(["--use-env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
     assert not parse(["--use_env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
     assert not parse(["t.py"], {"PET_USE_ENV": "1"}, legacy=True).agent.legacy_local_rank_arg
+
+
+def test_torchrun_default_backend_for_the_command_line() -> None:
+    st = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                "--master-port", "1234", "t.py"], {})
+    assert (st.backend, st.endpoint, dict(st.rdzv_conf)["rank"]) == ("static", "10.0.0.1:1234", "1")
+    assert parse(["--nnodes", "2", "t.py"], {}).endpoint == "127.0.0.1:29500"
+    one = parse(["--master-addr", "localhost", "--master-port", "1234", "t.py"], {})
+    assert (one.backend, one.endpoint) == ("static", "localhost:1234")
+    assert parse(["t.py"], {}).backend == "elasticstore"  # standalone, as torchrun's c10d there
+    assert parse(["--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
+    assert parse(["--rdzv-backend", "c10d", "--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
+

@@ -1,9 +1,12 @@
 """``elasticstore-run`` (also ``python -m elasticstore.run``): a drop-in for torchrun 2.13.
 
 torchrun's flags with the same defaults and meaning, dashed and underscored spellings, and the
-``PET_<FLAG>`` environment fallback. Differences: ``--rdzv-backend`` defaults to ``elasticstore``
-(``etcd`` is ours on etcd v3, ``static`` the fixed-rank path; ``c10d`` and ``etcd-v2`` map to ours
-with a notice); ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
+``PET_<FLAG>`` environment fallback.
+Without ``--rdzv-backend``, torchrun's choice for the command line: ``static`` (node rank 0 hosts
+the store at ``--master-addr:--master-port``) for a fixed ``--nnodes``, standalone for one node
+without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a range of nodes
+(``etcd`` is ours on etcd v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
+``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
 process with torch imported; ``spawn`` starts plain processes). Flags not supported yet are
 refused by name. A bad value exits with code 2 and one line naming the flag and the reason.
 """
@@ -97,7 +100,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p = _Parser(prog=prog, description="Elastic launcher for PyTorch, a drop-in for torchrun.",
                 allow_abbrev=False)
     value = {
-        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": "elasticstore",
+        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
         "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
         "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
         "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
@@ -203,6 +206,18 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
+    """``--rdzv-backend`` as given, else torchrun's default for the command line: ``static``
+    (``--master-addr:--master-port`` hosted by node rank 0) for a fixed node count, except one
+    node with neither ``--rdzv-endpoint`` nor ``--master-port``, which runs standalone (as
+    torchrun's c10d there); ours for ``--rdzv-endpoint`` or a range of nodes."""
+    if args.rdzv_backend is not None:
+        return str(args.rdzv_backend)
+    if args.standalone or args.rdzv_endpoint or min_nodes != max_nodes:
+        return "elasticstore"
+    return "elasticstore" if max_nodes == 1 and args.master_port is None else "static"
+
+
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
           legacy: bool = False) -> RunSettings:
     """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
@@ -211,7 +226,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         p.add_argument(*_names("--use-env"), action=_CheckEnv)
     args = p.parse_args(list(argv))
     notices: list[str] = []
-    backend_arg = str(args.rdzv_backend)
+    min_nodes, max_nodes = _nnodes(args.nnodes)
+    backend_arg = _default_backend(args, min_nodes, max_nodes)
     if backend_arg not in BACKENDS:
         raise UsageError("--rdzv-backend", f"{backend_arg!r}: expected one of elasticstore, etcd, "
                          "static (c10d and etcd-v2 are accepted too)")
@@ -228,7 +244,6 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     if args.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
     backend = BACKENDS[backend_arg]
-    min_nodes, max_nodes = _nnodes(args.nnodes)
     nproc = _nproc(args.nproc_per_node)
     conf = _rdzv_conf(args.rdzv_conf)
     endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
