@@ -77,6 +77,7 @@ def test_start_methods_and_output_flags() -> None:
         (["--signals-to-handle", "SIGNOPE", "t.py"], "--signals-to-handle"),
         (["--nnodes", "1:2", "t.py"], "--rdzv-endpoint"),
         (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
+        (["--rdzv-conf", "'=5'", "t.py"], "--rdzv-conf"),
         (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
         (["--rdzv-conf", "novalue", "t.py"], "--rdzv-conf"),
         (["--logs-specs", "x", "t.py"], "--logs-specs"),
@@ -118,3 +119,29 @@ def test_torchrun_default_backend_for_the_command_line() -> None:
     assert parse(["--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
     assert parse(["--rdzv-backend", "c10d", "--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
 
+
+def test_abbreviated_long_flags_as_torchrun() -> None:
+    rs = parse(["--nproc-per", "2", "--redirect", "3", "--max-restart", "4", "t.py"], {})
+    assert (rs.agent.nproc, rs.agent.redirects, rs.agent.max_restarts) == (2, {0: 3, 1: 3}, 4)
+    with pytest.raises(UsageError, match="ambiguous option: --monitor could match --monitor-interval"):
+        parse(["--monitor", "1", "t.py"], {})
+
+
+def test_quoted_rdzv_conf() -> None:
+    for text in ("'join_timeout=5,last_call_timeout=1,timeout=5'",
+                 "\"'join_timeout=5,last_call_timeout=1,timeout=5'\"",
+                 'join_timeout="5",last_call_timeout=\'1\',timeout=5'):
+        rs = parse(["--rdzv-conf", text, *EP, "t.py"], {})
+        assert dict(rs.rdzv_conf) == {"join_timeout": "5", "last_call_timeout": "1", "timeout": "5"}
+
+
+def test_quotes_left_in_by_torchs_rdzv_conf_parser() -> None:
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    from elasticstore.rendezvous.settings import RendezvousSettings
+
+    for text in ("'join_timeout=5,last_call_timeout=1,timeout=5'", 'join_timeout="5",last_call_timeout=1'):
+        s = RendezvousSettings.from_config(run_id="r", endpoint="127.0.0.1:1", min_nodes=1,
+                                           max_nodes=1, local_addr=None,
+                                           config=_parse_rendezvous_config(text))
+        assert (s.join_timeout, s.last_call_timeout) == (5.0, 1.0)

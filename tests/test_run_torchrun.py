@@ -1,6 +1,6 @@
 """torchrun command lines that elasticstore-run runs as torchrun does (real launcher, real
-workers): the default static rendezvous on --master-addr/--master-port and the variables workers
-get."""
+workers): the default static rendezvous on --master-addr/--master-port, abbreviated flags, a
+quoted --rdzv-conf, and the variables workers get."""
 
 from __future__ import annotations
 
@@ -50,3 +50,20 @@ def test_master_port_on_one_node_is_the_store_workers_reach(tmp_path: object) ->
     for s in starts:
         assert (s["env"]["MASTER_ADDR"], s["env"]["MASTER_PORT"]) == ("localhost", str(port)), s["env"]
 
+
+def test_abbreviated_flags_quoted_rdzv_conf_and_signals_to_handle(tmp_path: object) -> None:
+    port = free_port("127.0.0.2")
+    logs = os.path.join(str(tmp_path), "logs")
+    with agents(str(tmp_path)) as a:
+        _released(a.dir)
+        # One node of 1:2: the round forms only through last_call_timeout=1 from the quoted value.
+        flags = ["--nnodes", "1:2", "--nproc-per", "1", "--rdzv-endpoint", f"127.0.0.2:{port}",
+                 "--rdzv-id", "quoted", "--local-addr", "127.0.0.2", "--log-dir", logs,
+                 "--redirect", "1", "--max-restart", "0", "--signals-to-handle", "SIGTERM,SIGUSR1",
+                 "--rdzv-conf", "'join_timeout=120,last_call_timeout=\"1\",timeout=5'"]
+        agent = a.start(flags)
+        assert a.wait(agent, 240) == 0, a.output(agent)
+        (start,) = a.starts()
+    assert start["env"]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGUSR1", start["env"]
+    with open(os.path.join(logs, "quoted", "attempt_0", "0", "stdout.log")) as f:
+        assert f.read() == "rank 0 done at world size 1\n"

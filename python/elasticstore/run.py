@@ -1,7 +1,7 @@
 """``elasticstore-run`` (also ``python -m elasticstore.run``): a drop-in for torchrun 2.13.
 
 torchrun's flags with the same defaults and meaning, dashed and underscored spellings, and the
-``PET_<FLAG>`` environment fallback.
+``PET_<FLAG>`` environment fallback, abbreviated long flags as torchrun's parser takes them.
 Without ``--rdzv-backend``, torchrun's choice for the command line: ``static`` (node rank 0 hosts
 the store at ``--master-addr:--master-port``) for a fixed ``--nnodes``, standalone for one node
 without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a range of nodes
@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._conf import parse_pairs
 from .agent.config import AgentSettings
 from .agent.logs import parse_std
 
@@ -98,7 +99,7 @@ def _names(flag: str) -> list[str]:
 def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-run") -> argparse.ArgumentParser:
     _Env.environ = environ
     p = _Parser(prog=prog, description="Elastic launcher for PyTorch, a drop-in for torchrun.",
-                allow_abbrev=False)
+                allow_abbrev=True)  # torchrun's parser takes abbreviated long flags too
     value = {
         "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
         "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
@@ -175,13 +176,10 @@ def _nproc(text: str) -> int:
 
 
 def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    items: list[tuple[str, str]] = []
-    for item in filter(None, (i.strip() for i in str(text).split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError("--rdzv-conf", f"{item!r} is not key=value")
-        items.append((key.strip(), val.strip()))
-    return tuple(items)
+    try:
+        return parse_pairs(text)
+    except ValueError as exc:
+        raise UsageError("--rdzv-conf", str(exc)) from None
 
 
 def _token_file(conf: tuple[tuple[str, str], ...]) -> str | None:
