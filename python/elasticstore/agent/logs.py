@@ -5,6 +5,9 @@ to ``<attempt dir>/<rank>/{stdout,stderr}.log`` when there is a log directory an
 console prefixed ``[host:rank]`` unless redirected (``-r``) without ``--tee``, or filtered out by
 ``--local-ranks-filter``. Console writes take one lock per line, so lines of different workers
 never interleave mid-line.
+
+A write that fails (a full disk) is reported once and ends the writes to that file; the relay keeps
+draining the pipe, so the worker never notices.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ __all__ = ["LogRelay", "Std", "console_for", "parse_std", "say"]
 
 _CONSOLE_LOCK = threading.Lock()
 _MAX_LINE = 1 << 16  # a longer line is written in pieces of this size
+_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 
 
 class Std:
@@ -56,7 +60,8 @@ class LogRelay:
     def __init__(self, fd: int, prefix: str, file_path: str | None, console: BinaryIO | None) -> None:
         self._fd = fd
         self._prefix = prefix.encode()
-        self._file: BinaryIO | None = open(file_path, "ab") if file_path else None
+        self._file = os.open(file_path, _FILE_FLAGS, 0o644) if file_path else None
+        self._label = file_path or "log file"
         self._console = console
         self._thread = threading.Thread(target=self._run, name=f"log {prefix}", daemon=True)
         self._thread.start()
@@ -68,23 +73,41 @@ class LogRelay:
                     line = pipe.readline(_MAX_LINE)
                     if not line:
                         return
-                    self._write(line)
-        except (OSError, ValueError):
+                    self._to_file(line)
+                    self._to_console(line)
+        except (OSError, ValueError):  # the pipe itself failed: nothing left to drain
             pass
         finally:
-            if self._file is not None:
-                self._file.close()
+            self._close_file()
 
-    def _write(self, line: bytes) -> None:
-        if self._file is not None:
-            self._file.write(line)
-            self._file.flush()
-        if self._console is not None:
-            if not line.endswith(b"\n"):
-                line += b"\n"
+    def _to_file(self, line: bytes) -> None:
+        if self._file is None:
+            return
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._file, view):]
+        except OSError as exc:
+            self._close_file()
+            say(f"[elasticstore-run] {self._label}: {exc.strerror or exc}: the rest of this "
+                "stream is not written to it (the worker runs on)")
+
+    def _to_console(self, line: bytes) -> None:
+        if self._console is None:
+            return
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        try:
             with _CONSOLE_LOCK:
                 self._console.write(self._prefix + line)
                 self._console.flush()
+        except (OSError, ValueError):  # the console is gone: keep draining the pipe
+            self._console = None
+
+    def _close_file(self) -> None:
+        fd, self._file = self._file, None
+        if fd is not None:
+            os.close(fd)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)

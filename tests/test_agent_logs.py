@@ -1,0 +1,49 @@
+"""The agent's worker-output relay and its log files: a log file that cannot be written (real
+elasticstore-run, real workers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from agent_procs import agents
+
+def _one_node(log_dir: str | None, *extra: str) -> list[str]:
+    flags = ["--no-python", "--nproc-per-node", "1", "--rdzv-id", "job", "--local-addr", "127.0.0.2"]
+    return [*flags, *(["--log-dir", log_dir] if log_dir else []), *extra]
+
+
+@pytest.fixture
+def full_dir(tmp_path: object) -> Iterator[str]:
+    """A 64 KiB tmpfs: writes past it fail with ENOSPC (needs root to mount)."""
+    path = os.path.join(str(tmp_path), "full")
+    os.makedirs(path)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (running as uid %d)" % os.geteuid())
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", path],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True, timeout=60)
+
+
+def test_full_log_file_is_reported_once_and_the_worker_runs_on(tmp_path: object, full_dir: str) -> None:
+    script = ("for i in range(3000):\n    print(f'line {i} ' + 'x' * 100, flush=True)\n"
+              "open('finished', 'w').close()")
+    with agents(str(tmp_path)) as a:
+        agent = a.start(_one_node(full_dir, "-r", "1"), ["-c", script], script=sys.executable)
+        code = a.wait(agent, 180)
+        out = a.output(agent)
+    assert code == 0, out
+    assert os.path.exists(os.path.join(a.dir, "finished")), out
+    reports = [ln for ln in out.splitlines() if "stdout.log: No space left on device" in ln]
+    assert len(reports) == 1, out
+    assert "the worker runs on" in reports[0], out
+    with open(os.path.join(full_dir, "job", "attempt_0", "0", "stdout.log"), "rb") as f:
+        assert f.read().startswith(b"line 0 "), "the file got what fitted"
