@@ -1,9 +1,11 @@
-"""The agent's worker-output relay and its log files: a log file that cannot be written (real
-elasticstore-run, real workers)."""
+"""The agent's worker-output relay and its log files: -r/-t without --log-dir and a log file that
+cannot be written (real elasticstore-run, real workers)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +16,27 @@ from agent_procs import agents
 def _one_node(log_dir: str | None, *extra: str) -> list[str]:
     flags = ["--no-python", "--nproc-per-node", "1", "--rdzv-id", "job", "--local-addr", "127.0.0.2"]
     return [*flags, *(["--log-dir", log_dir] if log_dir else []), *extra]
+
+
+def test_redirects_without_log_dir_keep_output_in_a_printed_temporary_directory(tmp_path: object) -> None:
+    tmp = os.path.join(str(tmp_path), "tmp")
+    os.makedirs(tmp)
+    with agents(str(tmp_path)) as a:
+        agent = a.start(["--nproc-per-node", "1", "--local-addr", "127.0.0.2", "-r", "3"],
+                        ["--dir", a.dir, "--fail-rank", "0"], env={"TMPDIR": tmp})
+        assert a.wait(agent, 180) == 1, a.output(agent)
+        out = a.output(agent)
+    # As torchrun: the output is kept in a temporary log directory the launcher names.
+    found = re.search(r"log directory set to: (\S+)", out)
+    assert found, out
+    assert found.group(1).startswith(tmp), out
+    logs = glob.glob(os.path.join(found.group(1), "*", "attempt_0", "0", "stderr.log"))
+    assert len(logs) == 1, (out, os.listdir(found.group(1)))
+    with open(logs[0]) as f:
+        err = f.read()
+    assert "Traceback (most recent call last)" in err and "rank 0 fails on purpose" in err, err
+    # Redirected: not on the console.
+    assert not [ln for ln in out.splitlines() if ln.startswith("[127.0.0.2:0] Traceback")], out
 
 
 @pytest.fixture

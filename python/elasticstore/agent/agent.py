@@ -66,6 +66,10 @@ class Agent:
         self._server: ForkServer | None = None
         self._group: WorkerGroup | None = None
         self._tmp = tempfile.mkdtemp(prefix=f"elasticstore_{settings.run_id}_") if not settings.log_dir else None
+        # Where the per-rank files go: --log-dir, else (as torchrun) the temporary directory when
+        # -r/-t asks for files, so redirected output (tracebacks included) is kept.
+        redirected = any(settings.redirects.values()) or any(settings.tee.values())
+        self._log_root = settings.log_dir or (self._tmp if redirected else None)
         self._failures_used = 0
         self._local_attempts = 0
         self._rounds = 0
@@ -88,6 +92,8 @@ class Agent:
         old = {sig: signal.signal(sig, lambda *_: None) for sig in self.s.signals}
         old_fd = signal.set_wakeup_fd(sig_w.fileno())
         start = self._clock()
+        if self._log_root and not self.s.log_dir:
+            say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
         self._server = self._server_factory(self.s.warm)
         code = 1
         try:
@@ -224,7 +230,7 @@ class Agent:
             say("[elasticstore-run] the fork server died: starting a new one")
             self._server.close()
             self._server = self._server_factory(self.s.warm)
-        root = os.path.join(self.s.log_dir or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
+        root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
         specs = []
         for local in range(self.s.nproc):
             rank = base + local
@@ -234,7 +240,7 @@ class Agent:
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
-                                    rank_dir if self.s.log_dir else None))
+                                    rank_dir if self._log_root else None))
         for tries in range(2):
             self._group = WorkerGroup(self._server, self._clock)
             try:
