@@ -1,5 +1,6 @@
-"""The agent's worker-output relay and its log files: -r/-t without --log-dir and a log file that
-cannot be written (real elasticstore-run, real workers)."""
+"""The agent's worker-output relay and its log files: -r/-t without --log-dir, a log file that
+cannot be written, and links planted at the fixed paths under --log-dir (real elasticstore-run,
+real workers)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 from agent_procs import agents
+
+TOUCH_MARKER = "echo started > marker; echo out-line; exit 0"
+
 
 def _one_node(log_dir: str | None, *extra: str) -> list[str]:
     flags = ["--no-python", "--nproc-per-node", "1", "--rdzv-id", "job", "--local-addr", "127.0.0.2"]
@@ -70,3 +74,32 @@ def test_full_log_file_is_reported_once_and_the_worker_runs_on(tmp_path: object,
     assert "the worker runs on" in reports[0], out
     with open(os.path.join(full_dir, "job", "attempt_0", "0", "stdout.log"), "rb") as f:
         assert f.read().startswith(b"line 0 "), "the file got what fitted"
+
+
+@pytest.mark.parametrize("planted", ["events.jsonl", "attempt_0", "attempt_0/0/stdout.log"])
+def test_links_planted_under_log_dir_are_refused_and_their_targets_untouched(
+    tmp_path: object, planted: str
+) -> None:
+    logs = os.path.join(str(tmp_path), "logs")
+    victim_dir = os.path.join(str(tmp_path), "elsewhere")
+    os.makedirs(os.path.join(victim_dir, "0"))
+    victim = os.path.join(victim_dir, "0", "stdout.log") if planted == "attempt_0" else \
+        os.path.join(victim_dir, "victim")
+    with open(victim, "w") as f:
+        f.write("precious\n")
+    link = os.path.join(logs, "job", planted)
+    os.makedirs(os.path.dirname(link))
+    os.symlink(victim_dir if planted == "attempt_0" else victim, link)
+    before = os.stat(victim)
+    with agents(str(tmp_path)) as a:
+        agent = a.start(_one_node(logs), ["-c", TOUCH_MARKER], script="/bin/sh")
+        code = a.wait(agent, 120)
+        out = a.output(agent)
+    assert code == 1, out
+    assert f"--log-dir: {link} is a symbolic link: refusing to follow it" in out, out
+    with open(victim) as f:
+        assert f.read() == "precious\n"
+    after = os.stat(victim)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert sorted(os.listdir(victim_dir)) == (["0"] if planted == "attempt_0" else ["0", "victim"])
+    assert not os.path.exists(os.path.join(a.dir, "marker")), "no worker starts"

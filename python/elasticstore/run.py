@@ -343,7 +343,14 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
             print(f"[{prog}] --metrics-port: {exc}", file=sys.stderr, flush=True)
             handler.shutdown()
             return 1
-    agent = Agent(a, handler, metrics=metrics)
+    try:
+        agent = Agent(a, handler, metrics=metrics)
+    except OSError as exc:  # the log directory (events.jsonl) refused or unwritable
+        print(f"[{prog}] {exc}", file=sys.stderr, flush=True)
+        handler.shutdown()
+        if metrics is not None:
+            metrics.close()
+        return 1
     if a.event_log_handler != "null":
         from .agent.events import route_torch_events
 

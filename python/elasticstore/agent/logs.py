@@ -6,22 +6,32 @@ console prefixed ``[host:rank]`` unless redirected (``-r``) without ``--tee``, o
 ``--local-ranks-filter``. Console writes take one lock per line, so lines of different workers
 never interleave mid-line.
 
-A write that fails (a full disk) is reported once and ends the writes to that file; the relay keeps
+The files sit at fixed paths under the log directory, so they are opened without following
+symbolic links below it (``open_log``): a link planted at ``<run_id>/attempt_0`` or at a
+``stdout.log`` is refused (``UnsafeLogPath``) instead of appending to whatever it points at. A
+write that fails (a full disk) is reported once and ends the writes to that file; the relay keeps
 draining the pipe, so the worker never notices.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from typing import BinaryIO
 
-__all__ = ["LogRelay", "Std", "console_for", "parse_std", "say"]
+__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "open_log", "parse_std", "say"]
 
 _CONSOLE_LOCK = threading.Lock()
 _MAX_LINE = 1 << 16  # a longer line is written in pieces of this size
-_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeLogPath(OSError):
+    """A path below the log directory is a symbolic link (or not a directory where one belongs)."""
 
 
 class Std:
@@ -54,14 +64,55 @@ def parse_std(flag: str, text: str, nproc: int) -> dict[int, int]:
     return result
 
 
-class LogRelay:
-    """Copies one pipe to a file and/or the console until EOF, in a thread of its own."""
+def _refused(path: str, exc: OSError) -> OSError:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR) or os.path.islink(path):
+        kind = "a symbolic link" if os.path.islink(path) else "not a directory"
+        return UnsafeLogPath(exc.errno or errno.ELOOP,
+                             f"--log-dir: {path} is {kind}: refusing to follow it (remove it or "
+                             "choose another --log-dir)")
+    return exc
 
-    def __init__(self, fd: int, prefix: str, file_path: str | None, console: BinaryIO | None) -> None:
+
+def open_log(base: str, parts: Sequence[str], name: str) -> int:
+    """An append-only descriptor of ``base/parts.../name``, creating the directories below
+    ``base`` one at a time; none of them nor the file may be a symbolic link."""
+    os.makedirs(base, exist_ok=True)
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    path = base
+    try:
+        for part in parts:
+            path = os.path.join(path, part)
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise _refused(path, exc) from None
+            os.close(fd)
+            fd = sub
+        path = os.path.join(path, name)
+        try:
+            return os.open(name, _FILE_FLAGS, 0o644, dir_fd=fd)
+        except OSError as exc:
+            raise _refused(path, exc) from None
+    finally:
+        os.close(fd)
+
+
+class LogRelay:
+    """Copies one pipe to a file and/or the console until EOF, in a thread of its own.
+
+    ``file_fd`` (owned by the relay from here on) is written with ``os.write``; ``label`` names
+    it in the one line that reports a failed write."""
+
+    def __init__(self, fd: int, prefix: str, file_fd: int | None, console: BinaryIO | None,
+                 label: str = "log file") -> None:
         self._fd = fd
         self._prefix = prefix.encode()
-        self._file = os.open(file_path, _FILE_FLAGS, 0o644) if file_path else None
-        self._label = file_path or "log file"
+        self._file = file_fd
+        self._label = label
         self._console = console
         self._thread = threading.Thread(target=self._run, name=f"log {prefix}", daemon=True)
         self._thread.start()
