@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help="start a child process that sleeps")
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # the legacy launcher
+    p.add_argument("--init-method", default=None, help="e.g. tcp://localhost:PORT (else env://)")
     args = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     forked = os.environ.get("ELASTICSTORE_FORKED_AT")
@@ -48,7 +49,13 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if args.init_method:
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", init_method=args.init_method, rank=rank,
+                                world_size=info["world"], timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo")
     with open(os.path.join(args.dir, f"init-{attempt}-{rank}"), "w") as f:
         f.write(repr(time.time()))
     release = os.path.join(args.dir, "release")

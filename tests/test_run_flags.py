@@ -75,7 +75,9 @@ def test_start_methods_and_output_flags() -> None:
         (["--redirects", "7", "t.py"], "--redirects"),
         (["--start-method", "thread", "t.py"], "--start-method"),
         (["--signals-to-handle", "SIGNOPE", "t.py"], "--signals-to-handle"),
-        (["--nnodes", "2", "t.py"], "--rdzv-endpoint"),
+        (["--nnodes", "1:2", "t.py"], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
+        (["--rdzv-conf", "'=5'", "t.py"], "--rdzv-conf"),
         (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
         (["--rdzv-conf", "novalue", "t.py"], "--rdzv-conf"),
         (["--logs-specs", "x", "t.py"], "--logs-specs"),
@@ -104,3 +106,42 @@ def test_legacy_launch_flags() -> None:
     assert not parse(["--use-env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
     assert not parse(["--use_env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg
     assert not parse(["t.py"], {"PET_USE_ENV": "1"}, legacy=True).agent.legacy_local_rank_arg
+
+
+def test_torchrun_default_backend_for_the_command_line() -> None:
+    st = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                "--master-port", "1234", "t.py"], {})
+    assert (st.backend, st.endpoint, dict(st.rdzv_conf)["rank"]) == ("static", "10.0.0.1:1234", "1")
+    assert parse(["--nnodes", "2", "t.py"], {}).endpoint == "127.0.0.1:29500"
+    one = parse(["--master-addr", "localhost", "--master-port", "1234", "t.py"], {})
+    assert (one.backend, one.endpoint) == ("static", "localhost:1234")
+    assert parse(["t.py"], {}).backend == "elasticstore"  # standalone, as torchrun's c10d there
+    assert parse(["--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
+    assert parse(["--rdzv-backend", "c10d", "--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
+
+
+def test_abbreviated_long_flags_as_torchrun() -> None:
+    rs = parse(["--nproc-per", "2", "--redirect", "3", "--max-restart", "4", "t.py"], {})
+    assert (rs.agent.nproc, rs.agent.redirects, rs.agent.max_restarts) == (2, {0: 3, 1: 3}, 4)
+    with pytest.raises(UsageError, match="ambiguous option: --monitor could match --monitor-interval"):
+        parse(["--monitor", "1", "t.py"], {})
+
+
+def test_quoted_rdzv_conf() -> None:
+    for text in ("'join_timeout=5,last_call_timeout=1,timeout=5'",
+                 "\"'join_timeout=5,last_call_timeout=1,timeout=5'\"",
+                 'join_timeout="5",last_call_timeout=\'1\',timeout=5'):
+        rs = parse(["--rdzv-conf", text, *EP, "t.py"], {})
+        assert dict(rs.rdzv_conf) == {"join_timeout": "5", "last_call_timeout": "1", "timeout": "5"}
+
+
+def test_quotes_left_in_by_torchs_rdzv_conf_parser() -> None:
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    from elasticstore.rendezvous.settings import RendezvousSettings
+
+    for text in ("'join_timeout=5,last_call_timeout=1,timeout=5'", 'join_timeout="5",last_call_timeout=1'):
+        s = RendezvousSettings.from_config(run_id="r", endpoint="127.0.0.1:1", min_nodes=1,
+                                           max_nodes=1, local_addr=None,
+                                           config=_parse_rendezvous_config(text))
+        assert (s.join_timeout, s.last_call_timeout) == (5.0, 1.0)

@@ -1,9 +1,12 @@
 """``elasticstore-run`` (also ``python -m elasticstore.run``): a drop-in for torchrun 2.13.
 
 torchrun's flags with the same defaults and meaning, dashed and underscored spellings, and the
-``PET_<FLAG>`` environment fallback. Differences: ``--rdzv-backend`` defaults to ``elasticstore``
-(``etcd`` is ours on etcd v3, ``static`` the fixed-rank path; ``c10d`` and ``etcd-v2`` map to ours
-with a notice); ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
+``PET_<FLAG>`` environment fallback, abbreviated long flags as torchrun's parser takes them.
+Without ``--rdzv-backend``, torchrun's choice for the command line: ``static`` (node rank 0 hosts
+the store at ``--master-addr:--master-port``) for a fixed ``--nnodes``, standalone for one node
+without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a range of nodes
+(``etcd`` is ours on etcd v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
+``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
 process with torch imported; ``spawn`` starts plain processes). Flags not supported yet are
 refused by name. A bad value exits with code 2 and one line naming the flag and the reason.
 """
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._conf import parse_pairs
 from .agent.config import AgentSettings
 from .agent.logs import parse_std
 
@@ -95,9 +99,9 @@ def _names(flag: str) -> list[str]:
 def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-run") -> argparse.ArgumentParser:
     _Env.environ = environ
     p = _Parser(prog=prog, description="Elastic launcher for PyTorch, a drop-in for torchrun.",
-                allow_abbrev=False)
+                allow_abbrev=True)  # torchrun's parser takes abbreviated long flags too
     value = {
-        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": "elasticstore",
+        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
         "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
         "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
         "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
@@ -172,13 +176,10 @@ def _nproc(text: str) -> int:
 
 
 def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    items: list[tuple[str, str]] = []
-    for item in filter(None, (i.strip() for i in str(text).split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError("--rdzv-conf", f"{item!r} is not key=value")
-        items.append((key.strip(), val.strip()))
-    return tuple(items)
+    try:
+        return parse_pairs(text)
+    except ValueError as exc:
+        raise UsageError("--rdzv-conf", str(exc)) from None
 
 
 def _token_file(conf: tuple[tuple[str, str], ...]) -> str | None:
@@ -203,6 +204,18 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> str:
+    """``--rdzv-backend`` as given, else torchrun's default for the command line: ``static``
+    (``--master-addr:--master-port`` hosted by node rank 0) for a fixed node count, except one
+    node with neither ``--rdzv-endpoint`` nor ``--master-port``, which runs standalone (as
+    torchrun's c10d there); ours for ``--rdzv-endpoint`` or a range of nodes."""
+    if args.rdzv_backend is not None:
+        return str(args.rdzv_backend)
+    if args.standalone or args.rdzv_endpoint or min_nodes != max_nodes:
+        return "elasticstore"
+    return "elasticstore" if max_nodes == 1 and args.master_port is None else "static"
+
+
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
           legacy: bool = False) -> RunSettings:
     """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
@@ -211,7 +224,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         p.add_argument(*_names("--use-env"), action=_CheckEnv)
     args = p.parse_args(list(argv))
     notices: list[str] = []
-    backend_arg = str(args.rdzv_backend)
+    min_nodes, max_nodes = _nnodes(args.nnodes)
+    backend_arg = _default_backend(args, min_nodes, max_nodes)
     if backend_arg not in BACKENDS:
         raise UsageError("--rdzv-backend", f"{backend_arg!r}: expected one of elasticstore, etcd, "
                          "static (c10d and etcd-v2 are accepted too)")
@@ -228,7 +242,6 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     if args.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
     backend = BACKENDS[backend_arg]
-    min_nodes, max_nodes = _nnodes(args.nnodes)
     nproc = _nproc(args.nproc_per_node)
     conf = _rdzv_conf(args.rdzv_conf)
     endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
@@ -330,7 +343,14 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
             print(f"[{prog}] --metrics-port: {exc}", file=sys.stderr, flush=True)
             handler.shutdown()
             return 1
-    agent = Agent(a, handler, metrics=metrics)
+    try:
+        agent = Agent(a, handler, metrics=metrics)
+    except OSError as exc:  # the log directory (events.jsonl) refused or unwritable
+        print(f"[{prog}] {exc}", file=sys.stderr, flush=True)
+        handler.shutdown()
+        if metrics is not None:
+            metrics.close()
+        return 1
     if a.event_log_handler != "null":
         from .agent.events import route_torch_events
 

@@ -42,7 +42,7 @@ from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkserver import ForkServer
-from .logs import LogRelay, Std, console_for, say
+from .logs import LogRelay, Std, console_for, open_log, say
 from .roundwatch import RoundWatcher
 from .workers import WorkerGroup, WorkerSpec, signal_name
 
@@ -75,6 +75,9 @@ class Agent:
         self._server: ForkServer | None = None
         self._group: WorkerGroup | None = None
         self._tmp = tempfile.mkdtemp(prefix=f"elasticstore_{settings.run_id}_") if not settings.log_dir else None
+        # Per-rank files: under --log-dir, else (as torchrun's) under the temporary directory for -r/-t.
+        redirected = any(settings.redirects.values()) or any(settings.tee.values())
+        self._log_root = settings.log_dir or (self._tmp if redirected else None)
         self._failures_used = 0
         self._local_attempts = 0
         self._rounds = 0
@@ -84,8 +87,8 @@ class Agent:
         self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
         self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
-            os.path.join(settings.log_dir, settings.run_id, "events.jsonl") if settings.log_dir else None,
-            settings.host, handler, metrics, self.s.nproc, clock, settings.role)
+            settings.log_dir, settings.run_id, settings.host, handler, metrics, self.s.nproc, clock,
+            settings.role)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -97,6 +100,8 @@ class Agent:
         old = {sig: signal.signal(sig, lambda *_: None) for sig in self.s.signals}
         old_fd = signal.set_wakeup_fd(sig_w.fileno())
         start = self._clock()
+        if self._log_root and not self.s.log_dir:
+            say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
         self._server = self._server_factory(self.s.warm)
         code = 1
         try:
@@ -233,17 +238,20 @@ class Agent:
             say("[elasticstore-run] the fork server died: starting a new one")
             self._server.close()
             self._server = self._server_factory(self.s.warm)
-        root = os.path.join(self.s.log_dir or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
+        root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
         specs = []
         for local in range(self.s.nproc):
             rank = base + local
             rank_dir = os.path.join(root, str(rank))
+            if self._log_root:  # checked before any worker starts: a refused path starts none
+                for stream in ("stdout", "stderr"):
+                    os.close(self._open_log(rank_dir, stream))
             error_file = os.path.join(rank_dir, "error.json")
             argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
-                                    rank_dir if self.s.log_dir else None))
+                                    rank_dir if self._log_root else None))
         for tries in range(2):
             self._group = WorkerGroup(self._server, self._clock)
             try:
@@ -262,9 +270,16 @@ class Agent:
         quiet = Std.has(self.s.redirects.get(local, 0), stream) and not Std.has(
             self.s.tee.get(local, 0), stream)
         shown = self.s.local_ranks_filter is None or local in self.s.local_ranks_filter
-        path = os.path.join(spec.log_dir, f"{stream}.log") if spec.log_dir else None
+        file_fd = self._open_log(spec.log_dir, stream) if spec.log_dir else None
         console = console_for(stream) if shown and not quiet else None
-        return LogRelay(fd, f"[{self.s.host}:{spec.rank}] ", path, console)
+        return LogRelay(fd, f"[{self.s.host}:{spec.rank}] ", file_fd, console,
+                        os.path.join(spec.log_dir or ".", f"{stream}.log"))
+
+    def _open_log(self, rank_dir: str, stream: str) -> int:
+        """``<rank_dir>/<stream>.log`` below the log root, no symbolic link followed."""
+        assert self._log_root is not None
+        parts = os.path.relpath(rank_dir, self._log_root).split(os.sep)
+        return open_log(self._log_root, parts, f"{stream}.log")
 
     def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
         rnd = getattr(self.handler, "round", None)

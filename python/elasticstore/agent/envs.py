@@ -4,6 +4,7 @@ sets, plus elasticstore's)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from torch.distributed.elastic.rendezvous import RendezvousInfo
@@ -46,6 +47,8 @@ def worker_env(s: AgentSettings, info: RendezvousInfo, use_agent_store: bool, at
         "TORCHELASTIC_RUN_ID": s.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
         "TORCHELASTIC_ERROR_FILE": error_file,
+        # torchrun exports --signals-to-handle for torch's own handlers in the workers' tree
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signal.Signals(sig).name for sig in s.signals),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "ELASTICSTORE_ADDR": f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}",
         # Store.from_env() connects to the round's store from these two.

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .logs import say
+from .logs import open_log, say
 from .workers import Worker, signal_name
 
 __all__ = ["EventLog", "TorchEventHandler"]
@@ -35,8 +35,8 @@ class EventLog:
     """Appends events (one ``write`` per line, ``O_APPEND``: agents sharing a log dir never
     interleave mid-line) and publishes the node's status through the handler."""
 
-    def __init__(self, path: str | None, host: str, handler: Any, metrics: Any = None,
-                 nproc: int = 1, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, log_dir: str | None, run_id: str, host: str, handler: Any,
+                 metrics: Any = None, nproc: int = 1, clock: Callable[[], float] = time.monotonic,
                  role: str = "default") -> None:
         self._fd: int | None = None
         self._host, self._handler, self.metrics = host, handler, metrics
@@ -50,9 +50,8 @@ class EventLog:
         if handler is not None:
             self._run_id, self._backend = _call(handler, "get_run_id"), _call(handler, "get_backend")
         self.status: dict[str, Any] = {"host": host, "state": "starting", "failure_restarts": 0}
-        if path:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if log_dir:  # <log_dir>/<run_id>/events.jsonl, no symbolic link followed below log_dir
+            self._fd = open_log(log_dir, (run_id,), "events.jsonl")
 
     def emit(self, event: str, **fields: Any) -> None:
         if self._fd is None:

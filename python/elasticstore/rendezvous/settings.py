@@ -22,7 +22,8 @@ token_file           (env)     native/static: file holding the shared token; the
 timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
 ==================== ========= ================================================================
 
-An unknown key or a bad value raises ``ValueError`` naming the key and the reason.
+An unknown key or a bad value raises ``ValueError`` naming the key and the reason. Quotes left in
+by a shell or torch's parser (``'join_timeout=5,timeout=5'``, ``key="value"``) are dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._conf import unquote_config
 from .._token import read_token_file
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "numeric_host", "parse_endpoint", "settings_from_params"]
@@ -176,7 +178,9 @@ class RendezvousSettings:
         config: Mapping[str, Any],
         default_port: int = DEFAULT_PORT,
     ) -> RendezvousSettings:
-        """Parses ``config`` (the ``--rdzv-conf`` keys); refuses unknown keys and bad values."""
+        """Parses ``config`` (the ``--rdzv-conf`` keys); refuses unknown keys and bad values.
+        Quotes torch's parser leaves in (``--rdzv-conf "'timeout=5'"``, ``key="v"``) are dropped."""
+        config = unquote_config(config)
         unknown = sorted(set(config) - _KNOWN)
         if unknown:
             raise ValueError(

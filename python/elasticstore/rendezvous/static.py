@@ -67,8 +67,10 @@ class StaticRendezvousHandler(RendezvousHandler):
                 # address so its workers' torch TCPStore clients are served under the token.
                 self._store.allow_peers([local_addr(s)])
         assert s.rank is not None
+        # MASTER_ADDR/MASTER_PORT as the user gave them (torch's static rendezvous does the same):
+        # a script's own tcp://<master-addr>:<master-port> reaches this store.
         return RendezvousInfo(
-            self._store, s.rank, s.max_nodes, RendezvousStoreInfo(host, s.port)
+            self._store, s.rank, s.max_nodes, RendezvousStoreInfo(s.host, s.port)
         )
 
     def is_closed(self) -> bool:
