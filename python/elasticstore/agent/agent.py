@@ -40,7 +40,7 @@ from .config import AgentSettings
 from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
-from .forkserver import ForkServer
+from .forkclient import ForkServer
 from .logs import LogRelay, Std, console_for, say
 from .roundwatch import RoundWatcher
 from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
