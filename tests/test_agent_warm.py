@@ -105,6 +105,24 @@ def test_warm_worker_starts_like_a_fresh_interpreter(tmp_path: object, kind: str
     assert warm["parent_cmdline"].startswith("elasticstore-forkserver (agent ")
 
 
+def test_warm_worker_ends_like_a_fresh_interpreter(tmp_path: object) -> None:
+    """An uncaught exception: the traceback from the script's first frame on, then non-daemon
+    threads joined, then atexit handlers, exit code 1."""
+    workdir = str(tmp_path)
+    with agents(workdir) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "1", "--max-restarts", "0"],
+                        ["--dir", workdir, "--raise"], name="n1", script=PROBE)
+        assert a.wait(agent, 240) == 1
+        out = a.output(agent)
+    lines = [ln.split("] ", 1)[1] for ln in out.splitlines() if ln.startswith("[127.0.0.1:0] ")]
+    tb = lines.index("Traceback (most recent call last):")
+    assert lines[tb + 1].startswith(f'  File "{PROBE}", line '), out
+    assert "ValueError: the probe fails on purpose" in lines
+    assert "exitcode  : 1 (exit code 1" in out
+    for name in ("thread", "atexit"):
+        assert os.path.exists(os.path.join(workdir, f"{name}-0")), out
+
+
 def test_warm_worker_reads_the_launchers_stdin(tmp_path: object) -> None:
     """``breakpoint()`` reads the debugger's commands from the launcher's stdin."""
     workdir = str(tmp_path)

@@ -6,6 +6,8 @@ Writes ``probe-<attempt>-<rank>.json`` to ``--dir``: sys.path, sys.argv, cwd, en
 ``--fail-rank R``: rank R exits 1 in attempt 0 (a restart). ``--handler``: SIGTERM/SIGINT take
 about 1 s to write ``saved-<rank>``, then exit 0; the script sleeps until signalled.
 ``--breakpoint``: calls ``breakpoint()`` (the debugger reads its commands from stdin).
+``--raise``: starts a thread (writes ``thread-<rank>`` after 0.5 s), registers an atexit handler
+(writes ``atexit-<rank>``), then raises.
 """
 
 import json
@@ -70,6 +72,18 @@ def main() -> None:
     _record(os.path.join(out, f"probe-{attempt}-{rank}.json"), info)
     if "--fail-rank" in args and attempt == 0 and rank == int(args[args.index("--fail-rank") + 1]):
         sys.exit(1)
+    if "--raise" in args:  # what a fresh interpreter does at the end: threads, atexit, exit 1
+        import atexit
+        import threading
+
+        def mark(name: str) -> None:
+            with open(os.path.join(out, f"{name}-{rank}"), "w") as f:
+                f.write(name)
+
+        threading.Thread(target=lambda: (time.sleep(0.5), mark("thread"))).start()
+        atexit.register(lambda: mark("atexit" if os.path.exists(os.path.join(out, f"thread-{rank}"))
+                                     else "atexit-before-thread"))
+        raise ValueError("the probe fails on purpose")
     if "--handler" in args:
         for _ in range(3000):  # at most ~10 min; the test signals it long before
             time.sleep(0.2)

@@ -221,7 +221,10 @@ def _run_warm(job: dict[str, Any]) -> None:
     except SystemExit as exc:
         code = _exit_code(exc)
     except BaseException as exc:  # reported as the interpreter reports it
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # not this frame
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == _run_warm.__code__.co_filename:
+            tb = tb.tb_next  # the traceback starts where a fresh interpreter's starts
+        exc.__traceback__ = tb
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
         sys.excepthook(type(exc), exc, tb)
         code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
