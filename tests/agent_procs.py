@@ -33,11 +33,12 @@ class Agents:
 
     def start(self, flags: list[str], script_args: list[str] | None = None, name: str = "agent",
               env: dict[str, str] | None = None, script: str = TRAIN,
-              module: str = "elasticstore.run") -> subprocess.Popen[bytes]:
+              module: str = "elasticstore.run", stdin: int | None = None) -> subprocess.Popen[bytes]:
         out = open(os.path.join(self.dir, f"{name}.out"), "wb")
         args = ["--dir", self.dir] if script_args is None else script_args
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *flags, script, *args], stdout=out, stderr=subprocess.STDOUT,
+            stdin=stdin,
             start_new_session=True, env=dict(os.environ, **(env or {})), cwd=self.dir,
         )
         out.close()

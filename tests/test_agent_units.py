@@ -13,7 +13,7 @@ import pytest
 from agent_procs import alive, assert_gone
 
 from elasticstore.agent.failures import Failure, read_error_file, summary
-from elasticstore.agent.forkserver import ForkServer, read_status
+from elasticstore.agent.forkclient import ForkServer, read_status
 from elasticstore.agent.logs import parse_std
 
 

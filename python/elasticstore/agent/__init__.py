@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .config import AgentSettings
-from .forkserver import ForkServer
+from .forkclient import ForkServer
 
 if TYPE_CHECKING:
     from .agent import Agent

@@ -41,10 +41,10 @@ from .config import AgentSettings
 from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
-from .forkserver import ForkServer
+from .forkclient import ForkServer
 from .logs import LogRelay, Std, console_for, open_log, say
 from .roundwatch import RoundWatcher
-from .workers import WorkerGroup, WorkerSpec, signal_name
+from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
 
 __all__ = ["Agent"]
 
@@ -165,8 +165,11 @@ class Agent:
                 self.events.emit("stop", reason=f"signal {signal.Signals(detail).name}")
                 self._stop_group(detail)
                 return 128 + detail
-            self._stop_group(signal.SIGTERM)
+            stopped = self._stop_group(signal.SIGTERM)
             if outcome == _FAILED:
+                # As torchrun: the report lists the workers stopped because of the failure too.
+                self._failures += [failure_of(w, self.s.host) for w in stopped
+                                   if w.exit_code not in (None, 0)]
                 if self._failures_used >= self.s.max_restarts:
                     say(summary(self.s.entrypoint, self._failures))
                     self._close_rendezvous()
@@ -375,18 +378,21 @@ class Agent:
         except Exception as exc:
             say(f"[elasticstore-run] rendezvous shutdown: {exc}")
 
-    def _stop_group(self, sig: int) -> None:
+    def _stop_group(self, sig: int) -> list[Worker]:
+        """Stops the workers still running; returns them (their exits collected)."""
         group, self._group = self._group, None
-        if group is not None:
-            t0 = self._clock()
-            running = group.running()
-            group.stop(self.s.shutdown_timeout, sig)
-            for worker in running:
-                if worker.exit_code is not None:
-                    self.events.worker_exited(worker, stopped=True)
-            if self._clock() - t0 > 1.0:
-                say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
-                    f"({group.describe()})")
+        if group is None:
+            return []
+        t0 = self._clock()
+        running = group.running()
+        group.stop(self.s.shutdown_timeout, sig)
+        for worker in running:
+            if worker.exit_code is not None:
+                self.events.worker_exited(worker, stopped=True)
+        if self._clock() - t0 > 1.0:
+            say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
+                f"({group.describe()})")
+        return running
 
     # -- what the outside sees (events.jsonl, the status record, metrics) ----------------------
 

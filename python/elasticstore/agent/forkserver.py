@@ -1,36 +1,36 @@
 """The process that starts an agent's workers: a fork server (warm start) or a plain launcher.
 
-The agent starts it once (``ForkServer``); it runs this file as a script (standard library only,
-so ``--plain`` never imports torch). With ``--preload`` it imports torch (never CUDA, never user
-code) and then forks each worker, which runs the script or module as ``__main__`` (``runpy``)
-with its own argv, environment and working directory: a restart pays neither a new interpreter
-nor ``import torch``. With ``--plain`` it forks and ``exec``s the command (``--start-method
-spawn``, ``--no-python``).
+The agent starts it once (``forkclient.ForkServer``); it runs this file as a script (standard
+library only, so ``--plain`` never imports torch). With ``--preload`` it imports torch (never
+CUDA, never user code) and then forks each worker, which runs the script or module as
+``__main__`` in the state a fresh ``python -u script.py`` (``-m mod``) starts in and ends as
+that interpreter would: a restart pays neither a new interpreter nor ``import torch``. With
+``--plain`` it forks and ``exec``s the command (``--start-method spawn``, ``--no-python``).
 
 Containment: this process is the workers' parent and a child subreaper (orphans of a worker's
 tree come to it and are reaped). Each worker leads its own session and process group and has a
 parent-death signal (SIGKILL). This process has a parent-death signal (SIGTERM) on the agent: when
 the agent dies, even by SIGKILL, it kills every worker's process group and its remaining children
-and exits; it does the same when the agent closes the control socket.
+and exits; it does the same when the agent closes the control socket. Other signals sent to the
+agent's process group (Ctrl-C, ``timeout``) are the agent's to act on: this process ignores them.
 
-Protocol (AF_UNIX SOCK_SEQPACKET): the agent sends ``{"argv", "env", "cwd", "kind"}`` as JSON with
-three descriptors (the worker's status socket, stdout, stderr); the worker itself writes ``pid N``
-on the status socket once it leads its own process group (so the agent can signal the group from
-then on), and the server writes ``exit CODE`` (negative: killed by signal -CODE) when it reaped it.
+Protocol: see ``forkclient.py``.
 """
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import gc
+import io
 import json
 import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import time
+import types
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -51,74 +51,12 @@ def prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
 
 
-# -- the agent's side --------------------------------------------------------------------------
-
-
-class ForkServer:
-    """The agent's handle on the server process. ``preload``: warm start (fork server with torch
-    imported); otherwise every worker is a fresh ``exec``."""
-
-    def __init__(self, preload: bool) -> None:
-        self.preload = preload
-        self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        mode = "--preload" if preload else "--plain"
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), mode, str(theirs.fileno()), str(os.getpid())],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-
-    @property
-    def control(self) -> socket.socket:
-        """Readable only when the server died (it never writes on it)."""
-        return self._ctl
-
-    def start(self, argv: list[str], env: dict[str, str], cwd: str, kind: str,
-              stdout: int, stderr: int, timeout: float = 300.0) -> tuple[int, socket.socket]:
-        """Starts a worker; returns its pid (== its process group) and its status socket."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            msg = json.dumps({"argv": argv, "env": env, "cwd": cwd, "kind": kind}).encode()
-            socket.send_fds(self._ctl, [msg], [theirs.fileno(), stdout, stderr])
-        finally:
-            theirs.close()
-        mine.settimeout(timeout)  # the first start waits for the preload (import torch)
-        reply = mine.recv(256).decode()
-        mine.settimeout(None)
-        if not reply.startswith("pid "):
-            mine.close()
-            raise RuntimeError(f"fork server: could not start {argv[:2]}: {reply or 'it died'}")
-        return int(reply[4:]), mine
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self, timeout: float = 10.0) -> None:
-        """The server kills what is left of every worker's tree and exits."""
-        self._ctl.close()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-def read_status(sock: socket.socket) -> int | None:
-    """The exit code from a worker's status socket (None: the server died first)."""
-    try:
-        data = sock.recv(256).decode()
-    except OSError:
-        return None
-    return int(data[5:]) if data.startswith("exit ") else None
-
-
 # -- the server process ------------------------------------------------------------------------
 
 
 class _Server:
-    def __init__(self, ctl: socket.socket, preload: bool) -> None:
-        self.ctl, self.preload = ctl, preload
+    def __init__(self, ctl: socket.socket, preload: bool, agent: int) -> None:
+        self.ctl, self.preload, self.agent = ctl, preload, agent
         self.deferred = list(DEFERRED_PRELOAD) if preload else []
         self.workers: dict[int, socket.socket] = {}
         self.sel = selectors.DefaultSelector()
@@ -129,8 +67,7 @@ class _Server:
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
         signal.set_wakeup_fd(self.wake_w.fileno())
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, lambda *_: None)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(self.ctl, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         while True:
@@ -141,12 +78,15 @@ class _Server:
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
                     self._reap()
-                    if any(s != signal.SIGCHLD for s in sigs):
+                    # SIGTERM is the agent's death signal; any other SIGTERM/SIGINT/... was sent
+                    # to the agent's process group (Ctrl-C, timeout, a scheduler): the agent
+                    # decides how the workers stop (SIGTERM, grace, SIGKILL), not this process.
+                    if any(s != signal.SIGCHLD for s in sigs) and os.getppid() != self.agent:
                         self._kill_all()
                         return None
                     continue
                 try:
-                    msg, fds, _, _ = socket.recv_fds(self.ctl, _MAX_MSG, 3)
+                    msg, fds, _, _ = socket.recv_fds(self.ctl, _MAX_MSG, 4)
                 except OSError:
                     msg, fds = b"", []
                 if not msg:  # the agent closed the socket or died
@@ -169,8 +109,8 @@ class _Server:
             job["status"] = os.dup(status.fileno())  # the child says "pid" once it leads its group
             self._close_in_child(status)
             return job
-        os.close(fds[1])
-        os.close(fds[2])
+        for fd in fds[1:]:
+            os.close(fd)
         self.workers[pid] = status
         return None
 
@@ -241,37 +181,148 @@ def _enter_worker(job: dict[str, Any]) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    out, err = job["fds"]
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    for fd in (null, out, err):
-        os.close(fd)
+    for target, fd in enumerate(job["fds"]):  # stdin (the launcher's), stdout, stderr
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
     os.chdir(job["cwd"])
 
 
 def _run_warm(job: dict[str, Any]) -> None:
-    """Runs the script or module as ``__main__``, as ``python script.py`` / ``python -m`` would."""
-    import runpy
-
+    """Runs the script or module as ``__main__`` in the process state of a fresh ``python -u
+    script.py`` / ``python -u -m mod`` (path, argv, environment, random seeds), then ends the
+    process as its interpreter would: never returns."""
     os.environ.clear()
     os.environ.update(job["env"])
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # OpenMP read the variable when torch was loaded
+    _reseed(torch)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     argv = list(job["argv"])
+    module = job["kind"] == "module"
+    _set_title([sys.executable, "-u", *(["-m"] if module else []), *argv])
     sys.argv = argv
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = _fresh_path(job["path"], job["pythonpath"], first)
     os.environ["ELASTICSTORE_FORKED_AT"] = repr(job["forked_at"])
-    if job["kind"] == "module":
-        sys.path[0] = os.getcwd()
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    else:
-        path = os.path.abspath(argv[0])
-        sys.path[0] = os.path.dirname(path)
+    main_module = types.ModuleType("__main__")  # as the interpreter creates it
+    main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
+    sys.modules["__main__"] = main_module  # the script's globals live until the process ends
+    code = 0
+    try:
+        if module:
+            import runpy
+
+            runpy._run_module_as_main(argv[0], alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            _run_script(main_module, os.path.abspath(argv[0]))
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:  # reported as the interpreter reports it
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == _run_warm.__code__.co_filename:
+            tb = tb.tb_next  # the traceback starts where a fresh interpreter's starts
+        exc.__traceback__ = tb
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+        sys.excepthook(type(exc), exc, tb)
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    _finalize(code)
+
+
+def _run_script(main_module: types.ModuleType, path: str) -> None:
+    """``python path``: the file's code in ``__main__`` (a directory or zip: runpy's way)."""
+    import importlib.machinery
+
+    if not os.path.isfile(path) or path.endswith((".zip", ".pyz")):
+        import runpy
+
         runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main_module.__dict__.update(
+        __file__=path, __cached__=None, __package__=None, __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    exec(code, main_module.__dict__)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The exit status the interpreter gives an uncaught ``SystemExit``."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    try:
+        print(exc.code, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+def _finalize(code: int) -> None:
+    """The interpreter's shutdown up to freeing objects: join non-daemon threads, run the atexit
+    handlers, flush stdio; then exit without freeing ``__main__``'s objects (a fresh process
+    frees them at interpreter teardown, where their destructors cannot block on other threads)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            if code == 0:
+                code = 120  # as the interpreter does when flushing stdout fails
+    if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt: die of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    os._exit(code & 0xFF)
+
+
+def _reseed(torch: Any) -> None:
+    """Fresh entropy for the generators a fresh interpreter seeds at import (``random`` reseeds
+    itself after fork): every worker and every round draws different numbers."""
+    if torch is not None:
+        torch.default_generator.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+    rnd = sys.modules.get("random")
+    if rnd is not None:
+        rnd.seed()
+
+
+def _pythonpath(value: str | None) -> list[str]:
+    """The entries a fresh interpreter puts on ``sys.path`` for ``PYTHONPATH`` (made absolute)."""
+    if not value:
+        return []
+    return [os.path.abspath(p) for p in value.split(os.pathsep)]
+
+
+def _fresh_path(startup: list[str], server_pythonpath: str | None, first: str) -> list[str]:
+    """``sys.path`` of a fresh interpreter: ``first`` (unless PYTHONSAFEPATH), the worker's
+    PYTHONPATH, then the rest of this process's startup path, without duplicates."""
+    mine = list(dict.fromkeys(_pythonpath(server_pythonpath)))
+    rest = startup[len(mine):] if startup[: len(mine)] == mine else startup
+    entries = list(dict.fromkeys([*_pythonpath(os.environ.get("PYTHONPATH")), *rest]))
+    return entries if os.environ.get("PYTHONSAFEPATH") else [first, *entries]
+
+
+def _set_title(argv: list[str]) -> None:
+    """What ``ps`` and /proc/PID/cmdline show for this process."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(argv))
 
 
 def _exec(job: dict[str, Any]) -> None:
@@ -295,6 +346,11 @@ def _import(name: str) -> None:
 def main() -> dict[str, Any] | None:
     mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     del sys.path[0]  # this file's directory: never on a worker's path
+    startup_path = list(sys.path)
+    # Signals to the agent's process group are the agent's to act on (serve() ignores them too).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, lambda *_: None)
+    _set_title([f"elasticstore-forkserver (agent {agent})"])
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != agent:
         return None
@@ -303,9 +359,10 @@ def main() -> dict[str, Any] | None:
     if mode == "--preload":
         for name in PRELOAD:
             _import(name)
-    job = _Server(ctl, mode == "--preload").serve()
+    job = _Server(ctl, mode == "--preload", agent).serve()
     if job is not None:
         job["forked_at"] = time.time()
+        job["path"], job["pythonpath"] = startup_path, os.environ.get("PYTHONPATH")
         _enter_worker(job)
         if mode == "--plain" or job["kind"] == "exec":
             _exec(job)
@@ -315,4 +372,4 @@ def main() -> dict[str, Any] | None:
 if __name__ == "__main__":
     _job = main()
     if _job is not None:
-        _run_warm(_job)  # an uncaught exception or SystemExit ends the worker as in a script
+        _run_warm(_job)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .forkserver import ForkServer, read_status
+from .forkclient import ForkServer, read_status
 from .logs import LogRelay
 
 __all__ = ["Worker", "WorkerGroup", "WorkerSpec", "signal_name"]
@@ -40,6 +40,15 @@ def _pgid(pid: int) -> int:
         return os.getpgid(pid)
     except OSError:
         return -1
+
+
+def _stdin() -> int | None:
+    """The launcher's stdin, which every worker shares as under torchrun (None: it has none)."""
+    try:
+        os.fstat(0)
+    except OSError:
+        return None
+    return 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ class WorkerGroup:
             err_r, err_w = os.pipe()
             try:
                 pid, status = self._server.start(
-                    spec.argv, spec.env, cwd, spec.kind, out_w, err_w
+                    spec.argv, spec.env, cwd, spec.kind, out_w, err_w, stdin=_stdin()
                 )
             finally:
                 os.close(out_w)
