@@ -159,7 +159,6 @@ bool is_loopback(const sockaddr_storage& ss) noexcept {
 }
 
 bool PeerAllowList::allows(const sockaddr_storage& ss) const {
-  if (loopback_ && is_loopback(ss)) return true;
   for (const Cidr& c : ranges_)
     if (cidr_contains(c, ss)) return true;
   std::lock_guard<std::mutex> lk(mu_);
@@ -168,9 +167,47 @@ bool PeerAllowList::allows(const sockaddr_storage& ss) const {
   return false;
 }
 
+namespace {
+
+// A vouched-for peer is one host: a range (wider than /32 or /128) is the operator's to allow.
+bool parse_host(std::string_view text, Cidr* out, std::string* error) {
+  if (!parse_cidr(text, out, error)) return false;
+  if (out->prefix == (out->family == AF_INET ? 32u : 128u)) return true;
+  *error = "'" + std::string(text) + "' is a range: only single addresses can be allowed at run " +
+           "time (ranges: the server's --allow-unauthenticated-from)";
+  return false;
+}
+
+}  // namespace
+
+bool ServerAuth::admits_torch(int fd, const sockaddr_storage& peer, std::string* why) const {
+  if (!required()) return true;
+  if (!torch_protocol) {
+    *why = "this server has a token and serves only native clients that prove it";
+    return false;
+  }
+  if (allowed.loopback() && is_loopback(peer)) {
+    uint32_t peer_uid = 0;
+    std::string error;
+    if (!loopback_peer_uid(fd, peer, &peer_uid, &error)) {
+      *why = "the server has a token and cannot tell which user this loopback peer runs as (" +
+             error + ")";
+      return false;
+    }
+    if (peer_uid == uid) return true;
+    *why = "the server has a token and this loopback peer runs as uid " + std::to_string(peer_uid) +
+           ", not the server's uid " + std::to_string(uid);
+    return false;
+  }
+  if (allowed.allows(peer)) return true;
+  *why = "the server has a token and this peer is neither a loopback process of the server's "
+         "user, nor an allowed peer, nor in an --allow-unauthenticated-from range";
+  return false;
+}
+
 bool PeerAllowList::add(std::string_view text, std::string* error) {
   Cidr c;
-  if (!parse_cidr(text, &c, error)) return false;
+  if (!parse_host(text, &c, error)) return false;
   std::lock_guard<std::mutex> lk(mu_);
   for (const Cidr& p : peers_)
     if (p.family == c.family && p.prefix == c.prefix && std::memcmp(p.addr, c.addr, 16) == 0) return true;
@@ -189,7 +226,7 @@ bool PeerAllowList::set(const std::vector<std::string>& texts, std::string* erro
   }
   std::vector<Cidr> parsed(texts.size());
   for (std::size_t i = 0; i < texts.size(); ++i)
-    if (!parse_cidr(texts[i], &parsed[i], error)) return false;
+    if (!parse_host(texts[i], &parsed[i], error)) return false;
   std::lock_guard<std::mutex> lk(mu_);
   peers_ = std::move(parsed);
   return true;
@@ -279,7 +316,7 @@ HandshakeStep ServerHandshake::hello(const ServerAuth& auth, uint32_t id, Reader
 HandshakeStep ServerHandshake::auth(const ServerAuth& auth, uint32_t id, Reader& r,
                                     std::string& out, std::string* reason) {
   const std::string_view client_mac = r.bytes(kAuthMacBytes);
-  if (!r.done()) {
+  if (!r.done() || client_mac.size() != kAuthMacBytes) {
     *reason = "malformed frame (opcode AUTH)";
     return HandshakeStep::Close;
   }

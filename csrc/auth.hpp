@@ -55,18 +55,25 @@ bool cidr_contains(const Cidr& c, const sockaddr_storage& ss) noexcept;
 // 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104.
 bool is_loopback(const sockaddr_storage& ss) noexcept;
 
-// Who may speak torch's TCPStore protocol when the server has a token: loopback (unless turned
-// off, for tests), the operator's ranges (fixed at start) and the peers the job vouches for
-// (changed at run time by Server::allow_peer and the native ALLOW_PEERS request). Thread-safe:
-// Python threads change it while the event loop reads it, once per torch connection.
+// The user id owning the other end of a TCP connection `fd` from a process on this host (peer
+// address `peer`), from the kernel's socket table. False with *error set when it is not found.
+bool loopback_peer_uid(int fd, const sockaddr_storage& peer, uint32_t* uid, std::string* error);
+
+// Who may speak torch's TCPStore protocol when the server has a token: loopback processes of the
+// server's own user (unless loopback is turned off, for tests), the operator's ranges (fixed at
+// start) and the hosts the job vouches for (changed at run time by Server::allow_peer and the
+// native ALLOW_PEERS request; single addresses only, a range is the operator's to allow).
+// Thread-safe: Python threads change it while the event loop reads it, once per torch connection.
 class PeerAllowList {
  public:
   PeerAllowList(bool loopback, std::vector<Cidr> operator_ranges)
       : loopback_(loopback), ranges_(std::move(operator_ranges)) {}
+  bool loopback() const noexcept { return loopback_; }
+  // Whether `ss` is in an operator range or is a vouched-for host (loopback is not checked here).
   bool allows(const sockaddr_storage& ss) const;
-  // Adds one address or range; false with *error set when it does not parse.
+  // Adds one address; false with *error set when it does not parse or is a range.
   bool add(std::string_view text, std::string* error);
-  // Replaces the vouched-for peers (not the operator's ranges); all or nothing.
+  // Replaces the vouched-for hosts (not the operator's ranges); all or nothing.
   bool set(const std::vector<std::string>& texts, std::string* error);
   std::vector<std::string> peers() const;  // the vouched-for peers, as CIDRs
 
@@ -81,7 +88,14 @@ class PeerAllowList {
 struct ServerAuth {
   std::string token;  // empty: no authentication (every peer served, any protocol)
   PeerAllowList allowed;
+  // With a token: false refuses torch's protocol from every peer (a server only native clients
+  // use, such as a rendezvous server).
+  bool torch_protocol = true;
+  uint32_t uid = 0;  // the server's effective user: loopback torch peers must run as it
   bool required() const noexcept { return !token.empty(); }
+  // Whether a torch TCPStore client on connection `fd` from `peer` is served (always without a
+  // token); else *why says why not.
+  bool admits_torch(int fd, const sockaddr_storage& peer, std::string* why) const;
 };
 
 }  // namespace elasticstore

@@ -36,7 +36,8 @@ class PyServer {
            std::size_t max_stored_bytes, uint32_t frame_timeout_ms, uint32_t handshake_timeout_ms,
            uint32_t keepalive_idle_ms, uint32_t keepalive_interval_ms, uint32_t keepalive_count,
            const std::string& token, const std::vector<std::string>& allow_unauthenticated_from,
-           const std::vector<std::string>& allowed_peers, bool allow_loopback) {
+           const std::vector<std::string>& allowed_peers, bool allow_loopback,
+           uint32_t barrier_idle_ms, bool torch_protocol) {
     if (port < 0 || port > 65535) throw py::value_error("port must be in [0, 65535]");
     es::ServerConfig config;
     config.host = host;
@@ -64,6 +65,8 @@ class PyServer {
     config.allow_unauthenticated_from = allow_unauthenticated_from;
     config.allowed_peers = allowed_peers;
     config.allow_loopback = allow_loopback;
+    config.limits.barrier_idle_ms = barrier_idle_ms;
+    config.torch_protocol = torch_protocol;
     server_ = std::make_unique<es::Server>(config);
   }
   ~PyServer() {
@@ -186,7 +189,8 @@ PYBIND11_MODULE(_C, m) {
                     std::size_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t,
                     std::size_t, std::size_t, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t,
                     const std::string&,
-                    const std::vector<std::string>&, const std::vector<std::string>&, bool>(),
+                    const std::vector<std::string>&, const std::vector<std::string>&, bool,
+                    uint32_t, bool>(),
            py::arg("host") = "127.0.0.1", py::arg("port") = 0, py::kw_only(),
            py::arg("backlog") = 0, py::arg("max_connections") = es::kDefaultMaxConnections,
            py::arg("log_level") = "warning",
@@ -204,7 +208,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("keepalive_interval_ms") = es::kKeepaliveIntervalMs,
            py::arg("keepalive_count") = es::kKeepaliveCount, py::arg("token") = "",
            py::arg("allow_unauthenticated_from") = std::vector<std::string>{},
-           py::arg("allowed_peers") = std::vector<std::string>{}, py::arg("allow_loopback") = true)
+           py::arg("allowed_peers") = std::vector<std::string>{}, py::arg("allow_loopback") = true,
+           py::arg("barrier_idle_ms") = es::kBarrierIdleMs, py::arg("torch_protocol") = true)
       .def_property_readonly("requires_token", [](PyServer& s) { return s.get().requires_token(); })
       .def("allow_peer", [](PyServer& s, const std::string& addr) { s.get().allow_peer(addr); },
            py::arg("addr"))

@@ -393,6 +393,8 @@ Client::Reply Client::read_reply_locked(uint32_t request_id, Clock::time_point d
                          fmt_seconds(seconds(Clock::now() - sent_at));
       if (server_timeout_ms != kNotBlocking && server_timeout_ms != kNoTimeout) {
         what += " (server timeout " + fmt_seconds(server_timeout_ms / 1000.0) + ")";
+      } else {
+        what += " (timeout)";
       }
       conn_->fail_network(what + "; connection closed");
     }

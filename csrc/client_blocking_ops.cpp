@@ -23,7 +23,7 @@ std::string Client::get(std::string_view key, Timeout timeout) {
   Reader rd(r.payload);
   if (r.status == static_cast<uint8_t>(Status::Timeout)) {
     finish_locked(rd, Op::Get);
-    throw TimeoutError("get timed out after " + fmt_seconds(seconds(Clock::now() - start)) +
+    throw TimeoutError("get reached its timeout after " + fmt_seconds(seconds(Clock::now() - start)) +
                        " waiting for key " + quote(key));
   }
   expect_ok_locked(r, Op::Get, [&] { return quote(key); });
@@ -48,7 +48,7 @@ Client::Reply Client::wait_for_keys_locked(Op op, const std::vector<std::string>
     std::vector<std::string> missing;
     read_keys(rd, &missing);
     finish_locked(rd, op);
-    throw TimeoutError(lower_op(op) + " timed out after " +
+    throw TimeoutError(lower_op(op) + " reached its timeout after " +
                        fmt_seconds(seconds(Clock::now() - start)) + " for keys " +
                        quote_list(keys) + " (missing: " + quote_list(missing) + ")");
   }
@@ -102,7 +102,7 @@ std::optional<std::string> Client::queue_pop(std::string_view queue, Timeout tim
   if (r.status == static_cast<uint8_t>(Status::Timeout)) {
     finish_locked(rd, Op::QueuePop);
     if (t == 0) return std::nullopt;
-    throw TimeoutError("queue_pop timed out after " + fmt_seconds(seconds(Clock::now() - start)) +
+    throw TimeoutError("queue_pop reached its timeout after " + fmt_seconds(seconds(Clock::now() - start)) +
                        " waiting on queue " + quote(queue));
   }
   expect_ok_locked(r, Op::QueuePop, [&] { return "queue " + quote(queue); });
@@ -130,7 +130,7 @@ uint64_t Client::barrier(std::string_view key, int64_t world_size, Timeout timeo
     const uint32_t arrived = rd.u32();
     const uint32_t size = rd.u32();
     finish_locked(rd, Op::Barrier);
-    throw TimeoutError("barrier " + quote(key) + " timed out after " +
+    throw TimeoutError("barrier " + quote(key) + " reached its timeout after " +
                        fmt_seconds(seconds(Clock::now() - start)) + " (arrived " +
                        std::to_string(arrived) + "/" + std::to_string(size) + ")");
   }
@@ -161,7 +161,7 @@ WatchEvent Client::watch(std::string_view key, std::optional<uint64_t> after_rev
   if (r.status == static_cast<uint8_t>(Status::Timeout)) {
     const uint64_t current = rd.u64();
     finish_locked(rd, Op::Watch);
-    throw TimeoutError("watch timed out after " + fmt_seconds(seconds(Clock::now() - start)) +
+    throw TimeoutError("watch reached its timeout after " + fmt_seconds(seconds(Clock::now() - start)) +
                        " for " + subject() + ": no change " + since() + " (current revision " +
                        std::to_string(current) + ")");
   }

@@ -155,7 +155,7 @@ void ClientTransport::connect(Timeout timeout,
     if (now >= deadline) {
       const char* verb = connected_once_ ? "could not reconnect to " : "could not connect to ";
       throw NetworkError(verb + endpoint() + " within " +
-                         fmt_seconds(seconds(now - start)) + " (" + std::to_string(attempts) +
+                         fmt_seconds(seconds(now - start)) + " (timeout; " + std::to_string(attempts) +
                          (attempts == 1 ? " attempt" : " attempts") + "): " + last_error);
     }
     std::uniform_real_distribution<double> jitter(0.5, 1.0);
@@ -340,7 +340,7 @@ void ClientTransport::send_all(const char* data, std::size_t size, Clock::time_p
     if (err == EINTR) continue;
     if (err == EAGAIN || err == EWOULDBLOCK) {
       if (!wait_fd(POLLOUT, deadline, "sending", name)) {
-        fail_network(std::string("timed out sending ") + name + " (" + std::to_string(off) +
+        fail_network(std::string("timeout sending ") + name + " (" + std::to_string(off) +
                      " of " + std::to_string(size) + " bytes sent); connection closed");
       }
       continue;

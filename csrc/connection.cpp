@@ -76,10 +76,8 @@ std::size_t Connection::sniff(ConnectionHost& host, const char* data, std::size_
   const auto first = static_cast<uint8_t>(data[0]);
   if (first == kTorchValidateByte) {  // the codec parses VALIDATE itself: nothing consumed
     // torch's protocol cannot authenticate: with a token, only peers the job vouches for.
-    if (host.auth().required() && !host.auth().allowed.allows(peer_addr)) {
-      fail("torch TCPStore client refused: the server has a token and this peer is neither "
-           "loopback, nor an allowed peer, nor in an --allow-unauthenticated-from range",
-           true);
+    if (std::string why; !host.auth().admits_torch(fd_, peer_addr, &why)) {
+      fail("torch TCPStore client refused: " + why, true);
       return 0;
     }
     codec_ = make_tcpstore_codec();

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <list>
 #include <memory>
 #include <string>
 
@@ -89,6 +90,9 @@ class Connection {
   bool queued_close = false;    // session closed, awaiting reaping
   std::size_t accounted = 0;    // bytes counted in the server's bytes_buffered
   std::string peer_ip;          // counted in the server's per-address connection count
+  // Until the handshake is done: its place in the server's lists of such connections.
+  bool half_open = false;
+  std::list<ConnId>::iterator half_open_pos, half_open_peer_pos;
 
  private:
   std::size_t handle(ConnectionHost& host, const char* data, std::size_t size);

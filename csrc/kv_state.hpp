@@ -74,6 +74,9 @@ struct StoreLimits {
   std::size_t max_waiters_per_connection = kDefaultMaxWaitersPerConnection;
   std::size_t max_stored_keys = kDefaultMaxStoredKeys;    // keys plus queued items
   std::size_t max_stored_bytes = kDefaultMaxStoredBytes;  // their key/name and value bytes
+  // A released barrier name with nobody waiting keeps its next generation this long after its
+  // last arrival, then is forgotten (a later arrival starts again at generation 0).
+  uint32_t barrier_idle_ms = kBarrierIdleMs;
 };
 
 struct Entry {
@@ -162,6 +165,9 @@ class KvState {
   std::size_t history_size() const noexcept { return history_.size(); }
   // Barrier names the server holds: in progress, or released once (their generation is kept).
   std::size_t barrier_count() const noexcept { return barriers_.size() + barrier_generations_.size(); }
+  // Forgets the idle barrier names whose last arrival is barrier_idle_ms old (also done on every
+  // barrier request); the server calls it between polls.
+  void expire_idle_barriers();
 
  private:
   using WaitList = std::list<WaiterId>;
@@ -242,7 +248,16 @@ class KvState {
   uint64_t compacted_through_ = 0;  // revision of the newest event dropped from history
   std::unordered_map<std::string, std::deque<std::string>> queues_;
   std::unordered_map<std::string, Barrier> barriers_;            // generations in progress
-  std::unordered_map<std::string, uint64_t> barrier_generations_;  // idle names released before
+  // Idle names released before: their next generation and last arrival, oldest arrival first in
+  // idle_barriers_ (at most kMaxIdleBarrierNames: past it the oldest is forgotten).
+  struct IdleBarrier {
+    uint64_t generation = 0;
+    uint64_t last_ms = 0;
+    std::list<std::string>::iterator pos;
+  };
+  void barrier_released(const std::string& name, uint64_t generation);
+  std::unordered_map<std::string, IdleBarrier> barrier_generations_;
+  std::list<std::string> idle_barriers_;
   std::unordered_map<ConnId, Session> sessions_;
 
   std::unordered_map<WaiterId, Waiter> waiters_;

@@ -315,11 +315,40 @@ void KvState::queue_pop(ConnId conn, uint64_t tag, std::string_view queue, uint3
 // An entry in barriers_ exists only while someone waits; when the last waiter leaves (released,
 // timed out or disconnected) it is erased, and a name released at least once keeps its next
 // generation, so that reusing it (or arriving late, after a release) counts on from there.
+// An idle name is kept only barrier_idle_ms after its last arrival, and at most
+// kMaxIdleBarrierNames of them, oldest forgotten first: one-shot names cannot grow the server.
 void KvState::barrier_idle(const std::string& name) {
   auto it = barriers_.find(name);
   if (it == barriers_.end() || !it->second.arrived.empty()) return;
-  if (it->second.generation > 0) barrier_generations_[name] = it->second.generation;
+  const uint64_t generation = it->second.generation;
   barriers_.erase(it);
+  if (generation > 0) barrier_released(name, generation);
+}
+
+void KvState::barrier_released(const std::string& name, uint64_t generation) {
+  auto [it, added] = barrier_generations_.try_emplace(name);
+  IdleBarrier& idle = it->second;
+  if (added) {
+    idle.pos = idle_barriers_.insert(idle_barriers_.end(), name);
+  } else {
+    idle_barriers_.splice(idle_barriers_.end(), idle_barriers_, idle.pos);
+  }
+  idle.generation = generation;
+  idle.last_ms = clock_();
+  while (idle_barriers_.size() > kMaxIdleBarrierNames) {
+    barrier_generations_.erase(idle_barriers_.front());
+    idle_barriers_.pop_front();
+  }
+}
+
+void KvState::expire_idle_barriers() {
+  const uint64_t now_ms = clock_();
+  while (!idle_barriers_.empty()) {
+    auto it = barrier_generations_.find(idle_barriers_.front());
+    if (now_ms - it->second.last_ms < limits_.barrier_idle_ms) return;
+    barrier_generations_.erase(it);
+    idle_barriers_.pop_front();
+  }
 }
 
 void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t world_size,
@@ -335,18 +364,21 @@ void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t 
   if (world_size == 0) return reply(Status::Error, 0, 0, "barrier world_size must be at least 1");
   const std::string name(key);
   const std::size_t charge = charge_for(1, key.size());
+  expire_idle_barriers();
   auto it = barriers_.find(name);
   if (it == barriers_.end()) {  // nobody waits: a new generation starts with this arrival
     auto g = barrier_generations_.find(name);
-    const uint64_t generation = g == barrier_generations_.end() ? 0 : g->second;
+    const uint64_t generation = g == barrier_generations_.end() ? 0 : g->second.generation;
     if (world_size == 1) {
-      if (g == barrier_generations_.end()) barrier_generations_.emplace(name, 1);
-      else ++g->second;
+      barrier_released(name, generation + 1);
       return reply(Status::Ok, generation, 0, {});
     }
     if (timeout_ms == 0) return reply(Status::Timeout, 0, 1, {});
     if (refuse_park(conn, tag, WaitKind::Barrier, charge)) return;
-    if (g != barrier_generations_.end()) barrier_generations_.erase(g);
+    if (g != barrier_generations_.end()) {
+      idle_barriers_.erase(g->second.pos);
+      barrier_generations_.erase(g);
+    }
     Barrier& b = barriers_[name];
     b.generation = generation;
     b.world_size = world_size;

@@ -52,6 +52,13 @@ inline constexpr std::size_t kMaxClientNameBytes = 256;
 inline constexpr std::size_t kDefaultMaxConnections = 65'536;
 // Connections open at once from one peer IP address; past it the accept is refused (logged).
 inline constexpr std::size_t kDefaultMaxConnectionsPerPeer = 8'192;
+// Connections that have not finished their handshake (native HELLO/AUTH, torch's VALIDATE), from
+// one peer address and in all. Past either, the oldest such connection (of that peer, or of all)
+// is closed to make room: a peer that opens connections and never authenticates cannot hold more
+// descriptors than this, and never more than 1/kHalfOpenFdShare of the process's descriptor limit.
+inline constexpr std::size_t kMaxHalfOpenPerPeer = 1'024;
+inline constexpr std::size_t kMaxHalfOpen = 8'192;
+inline constexpr std::size_t kHalfOpenFdShare = 2;
 // Blocked requests (GET, WAIT, QUEUE_POP, BARRIER, WATCH, ...) one connection may have parked.
 inline constexpr std::size_t kDefaultMaxWaitersPerConnection = 16'384;
 // What the store holds: keys plus queued items, and their key/name plus value bytes. A write that
@@ -60,6 +67,10 @@ inline constexpr std::size_t kDefaultMaxStoredKeys = 16 * 1024 * 1024;
 inline constexpr std::size_t kDefaultMaxStoredBytes = std::size_t{4} * 1024 * 1024 * 1024;
 // Time from accept until the handshake is done (native HELLO answered, torch VALIDATE).
 inline constexpr uint32_t kHandshakeTimeoutMs = 10'000;
+// A released barrier name nobody waits on is forgotten this long after its last arrival
+// (StoreLimits::barrier_idle_ms), and at most this many such names are kept (oldest forgotten).
+inline constexpr uint32_t kBarrierIdleMs = 600'000;
+inline constexpr std::size_t kMaxIdleBarrierNames = 65'536;
 // Watch history: recent changes kept so that a watcher never misses one between two watches.
 // It must cover how far a watcher lags behind writers, not the data: a watcher further behind
 // gets COMPACTED and re-reads. The byte bound keeps a store of large values from doubling.

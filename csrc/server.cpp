@@ -39,6 +39,8 @@ Server::Impl::Impl(ServerConfig cfg)
       auth_{checked_token(cfg_.token), PeerAllowList(cfg_.allow_loopback, parse_ranges(cfg_.allow_unauthenticated_from))},
       loop_(new EventLoop()),
       kv_(&EventLoop::now_ms, cfg_.limits) {
+  auth_.torch_protocol = cfg_.torch_protocol;
+  auth_.uid = static_cast<uint32_t>(::geteuid());
   std::string error;
   if (!auth_.allowed.set(cfg_.allowed_peers, &error)) throw std::invalid_argument("allowed_peers: " + error);
   listen_fd_ = open_listener(cfg_);
@@ -49,6 +51,7 @@ Server::Impl::Impl(ServerConfig cfg)
   port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                          : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   warn_if_exposed(ss);
+  raise_fd_limit();
   reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   scratch_.resize(kReadScratchBytes);
   keepalive_note_ = keepalive_enabled(cfg_)
@@ -134,7 +137,7 @@ std::array<uint64_t, kNumStats> Server::Impl::collect() const {
   return {conns_.size() - closing_.size(), kv_.num_keys(),   kv_.waiter_count(), kv_.revision(),
           kv_.queue_count(),    kv_.history_size(), bytes_buffered_, accepted_,
           refused_,             closed_bad_input_, requests_, kv_.barrier_count(),
-          closed_peer_lost_};
+          closed_peer_lost_,    half_open_.size(), shed_half_open_};
 }
 
 void Server::Impl::publish() noexcept {

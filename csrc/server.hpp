@@ -66,8 +66,12 @@ struct ServerConfig {
   std::vector<std::string> allow_unauthenticated_from;
   // With a token: peers the job vouches for at start (more: Server::allow_peer, ALLOW_PEERS).
   std::vector<std::string> allowed_peers;
-  // With a token: loopback peers may use torch's protocol. Turned off only by tests.
+  // With a token: loopback peers running as the server's user may use torch's protocol. Turned
+  // off only by tests.
   bool allow_loopback = true;
+  // With a token: false refuses torch's protocol from every peer (a server that only native
+  // clients use, such as a rendezvous server). Without a token every peer is served anyway.
+  bool torch_protocol = true;
 };
 
 // Throws std::invalid_argument naming the field and its range when a value is out of range.

@@ -1,6 +1,7 @@
 // Accepting connections: the per-server and per-peer connection limits, socket options, and
 // pausing when the process runs out of file descriptors.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -50,6 +51,66 @@ void Server::Impl::set_keepalive(int fd, const std::string& peer) const {
         "longer than the keepalive bound", peer.c_str(), o.label, std::strerror(errno));
     return;
   }
+}
+
+// Raises the soft descriptor limit to the hard one (a server is made to hold connections), and
+// keeps connections that have not authenticated to a share of it, so that the rest stays for
+// those that did.
+void Server::Impl::raise_fd_limit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur < lim.rlim_max) {
+    const rlim_t was = lim.rlim_cur;
+    lim.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &lim) == 0) {
+      log(LogLevel::Info, "raised the open-file limit from %llu to %llu",
+          static_cast<unsigned long long>(was), static_cast<unsigned long long>(lim.rlim_max));
+    } else {
+      log(LogLevel::Warning, "cannot raise the open-file limit from %llu to %llu: %s",
+          static_cast<unsigned long long>(was), static_cast<unsigned long long>(lim.rlim_max),
+          std::strerror(errno));
+      ::getrlimit(RLIMIT_NOFILE, &lim);
+    }
+  }
+  if (lim.rlim_cur != RLIM_INFINITY)
+    half_open_cap_ = std::clamp<std::size_t>(static_cast<std::size_t>(lim.rlim_cur / kHalfOpenFdShare), 1,
+                                             kMaxHalfOpen);
+}
+
+void Server::Impl::enter_half_open(Connection* c) {
+  std::list<ConnId>& mine = half_open_by_peer_[c->peer_ip];
+  c->half_open_pos = half_open_.insert(half_open_.end(), c->id());
+  c->half_open_peer_pos = mine.insert(mine.end(), c->id());
+  c->half_open = true;
+}
+
+void Server::Impl::leave_half_open(Connection* c) noexcept {
+  if (!c->half_open) return;
+  c->half_open = false;
+  half_open_.erase(c->half_open_pos);
+  auto it = half_open_by_peer_.find(c->peer_ip);
+  it->second.erase(c->half_open_peer_pos);
+  if (it->second.empty()) half_open_by_peer_.erase(it);
+}
+
+// Past kMaxHalfOpenPerPeer from `ip`, or half_open_cap_ in all, closes the oldest connections
+// that have not finished their handshake (that peer's, then anyone's).
+void Server::Impl::shed_half_open(const std::string& ip) {
+  auto shed = [this](ConnId id, const char* why) {
+    Connection* c = conns_.at(id).get();
+    c->fail(std::string("closed before its handshake finished: ") + why, false);
+    ++shed_half_open_;
+    mark_closing(c);
+  };
+  for (;;) {
+    auto it = half_open_by_peer_.find(ip);
+    if (it == half_open_by_peer_.end() || it->second.size() <= kMaxHalfOpenPerPeer) break;
+    shed(it->second.front(), "its peer address has the most connections not yet authenticated "
+                             "(kMaxHalfOpenPerPeer)");
+  }
+  while (half_open_.size() > half_open_cap_)
+    shed(half_open_.front(), "the server holds the most connections not yet authenticated it "
+                             "keeps (kMaxHalfOpen, or half the open-file limit)");
 }
 
 void Server::Impl::on_accept(EventLoop&, int, void* data, uint32_t) {
@@ -106,8 +167,14 @@ void Server::Impl::accept_all() {
     if (by_fd_.size() <= static_cast<std::size_t>(fd)) by_fd_.resize(static_cast<std::size_t>(fd) + 1);
     by_fd_[static_cast<std::size_t>(fd)] = conn.get();
     kv_.open_session(id);
+    Connection* added = conn.get();
     conns_.emplace(id, std::move(conn));
     ++accepted_;
+    enter_half_open(added);
+    shed_half_open(added->peer_ip);
+    // A shed connection's descriptor is closed when it is reaped, before the next poll: accept
+    // the rest of the backlog then (the listener stays readable), not before.
+    if (!closing_.empty()) return;
   }
 }
 

@@ -49,6 +49,7 @@ void validate_config(const ServerConfig& c) {
   in_range("max_waiters_per_connection", c.limits.max_waiters_per_connection, 1, kHuge);
   in_range("max_stored_keys", c.limits.max_stored_keys, 1, kHuge);
   in_range("max_stored_bytes", c.limits.max_stored_bytes, 1, kHuge);
+  in_range("barrier_idle_ms", c.limits.barrier_idle_ms, 1, UINT32_MAX - 1);
   keepalive_ms("keepalive_idle_ms", c.keepalive_idle_ms);
   keepalive_ms("keepalive_interval_ms", c.keepalive_interval_ms);
   if (c.keepalive_count > kKeepaliveMaxCount)

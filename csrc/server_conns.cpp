@@ -56,6 +56,7 @@ void Server::Impl::on_conn(Connection* c, uint32_t mask) {
     } catch (const std::bad_alloc&) {
       c->fail("out of memory while handling its request", false);
     }
+    if (c->half_open && c->state() == ConnState::Serving) leave_half_open(c);
     if (c->state() != ConnState::Closing) {
       account(c);
       if (bytes_buffered_ > cfg_.max_buffered_bytes) over_budget(c);
@@ -142,6 +143,7 @@ void Server::Impl::mark_closing(Connection* c) {
     log(c->bad_input() ? LogLevel::Warning : quiet ? LogLevel::Debug : LogLevel::Info,
         "closing connection %s: %s", c->peer().c_str(), c->close_reason().c_str());
   }
+  leave_half_open(c);
   loop_->remove(c->fd());
   if (c->frame_timer) loop_->cancel_timer(c->frame_timer);
   if (c->handshake_timer) loop_->cancel_timer(c->handshake_timer);
@@ -158,6 +160,7 @@ void Server::Impl::mark_closing(Connection* c) {
 
 void Server::Impl::before_sleep() {
   reap();
+  kv_.expire_idle_barriers();
   arm_waiter_timer();
   publish();
   for (std::size_t i = 0; i < dirty_.size(); ++i) {  // flushing may close and append

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,7 +35,7 @@ inline constexpr const char* kStatNames[] = {
     "revision",         "queues",         "history_events",
     "bytes_buffered",   "connections_accepted", "connections_refused",
     "connections_closed_bad_input", "requests", "barriers",
-    "connections_closed_peer_lost",
+    "connections_closed_peer_lost", "connections_half_open", "connections_shed_half_open",
 };
 inline constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 
@@ -75,6 +76,10 @@ class Server::Impl final : public ConnectionHost {
   void accept_all();
   void out_of_fds(int err);
   void set_keepalive(int fd, const std::string& peer) const;
+  void raise_fd_limit();
+  void enter_half_open(Connection* c);
+  void leave_half_open(Connection* c) noexcept;
+  void shed_half_open(const std::string& ip);
 
   // server_conns.cpp
   static void on_conn_event(EventLoop&, int fd, void* data, uint32_t mask);
@@ -104,6 +109,11 @@ class Server::Impl final : public ConnectionHost {
   uint16_t port_ = 0;
   std::unordered_map<ConnId, std::unique_ptr<Connection>> conns_;
   std::unordered_map<std::string, std::size_t> per_peer_;  // open connections per peer IP
+  // Connections whose handshake is not done, oldest first: all, and per peer IP.
+  std::list<ConnId> half_open_;
+  std::unordered_map<std::string, std::list<ConnId>> half_open_by_peer_;
+  std::size_t half_open_cap_ = kMaxHalfOpen;  // lowered to a share of the descriptor limit
+  uint64_t shed_half_open_ = 0;
   std::vector<Connection*> by_fd_;
   std::vector<Connection*> dirty_;    // replies appended, not yet flushed
   std::vector<Connection*> closing_;  // closed sessions awaiting reaping

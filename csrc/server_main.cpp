@@ -3,6 +3,7 @@
 //
 //   elasticstore-server [--host H] [--port P] [--backlog N] [--log-level L] [limit flags]
 //                       [--token-file PATH] [--allow-unauthenticated-from CIDR]...
+//                       [--torch-protocol {on,off}]
 //
 // The token: --token-file, else the file named by ELASTICSTORE_TOKEN_FILE, else ELASTICSTORE_TOKEN,
 // else none (docs/authentication.md).
@@ -46,6 +47,7 @@ const char* const kUsage =
     "usage: elasticstore-server [--host H] [--port P] [--backlog N] [--max-connections N]\n"
     "                           [--log-level {debug,info,warning,error,off}] [limit flags]\n"
     "                           [--token-file PATH] [--allow-unauthenticated-from CIDR]...\n"
+    "                           [--torch-protocol {on,off}]\n"
     "\n"
     "Serves an elasticstore (native and torch TCPStore protocols on one port) until SIGINT or\n"
     "SIGTERM. --host: address or host name to bind (default 127.0.0.1; 0.0.0.0 or :: for every\n"
@@ -54,8 +56,9 @@ const char* const kUsage =
     "--max-connections: default 65536; --log-level: default warning.\n"
     "--token-file: a file holding the shared token native clients must prove (default: the\n"
     "file named by $ELASTICSTORE_TOKEN_FILE, else $ELASTICSTORE_TOKEN, else no token); with a\n"
-    "token, torch's TCPStore protocol is served only to loopback, peers the job allows, and\n"
-    "each --allow-unauthenticated-from range (IPv4 or IPv6 CIDR, repeatable).\n"
+    "token, torch's TCPStore protocol is served only to loopback processes of the server's\n"
+    "user, peers the job allows, and each --allow-unauthenticated-from range (IPv4 or IPv6\n"
+    "CIDR, repeatable); --torch-protocol off refuses it from every peer (a rendezvous endpoint).\n"
     "\n"
     "Limits (docs/protocol.md; default in brackets):\n"
     "  --max-connections-per-peer N     connections from one IP address [8192]\n"
@@ -69,6 +72,7 @@ const char* const kUsage =
     "  --max-stored-bytes N             their key and value bytes [4294967296]\n"
     "  --frame-timeout-ms N             time to finish a request once started [30000]\n"
     "  --handshake-timeout-ms N         time from connect to the end of the handshake [10000]\n"
+    "  --barrier-idle-ms N              an idle released barrier name is forgotten after [600000]\n"
     "\n"
     "Dead peers (TCP keepalive; a peer gone without FIN/RST is closed and its session keys\n"
     "dropped after idle + interval * count ms, 16 s by default; 0 in any of them: off):\n"
@@ -136,6 +140,8 @@ bool parse_limit(ServerConfig& cfg, const std::string& flag, const std::string& 
     cfg.frame_timeout_ms = ms();
   } else if (flag == "--handshake-timeout-ms") {
     cfg.handshake_timeout_ms = ms();
+  } else if (flag == "--barrier-idle-ms") {
+    lim.barrier_idle_ms = ms();
   } else if (flag == "--keepalive-idle-ms" || flag == "--keepalive-interval-ms") {
     const auto t = static_cast<uint32_t>(
         parse_int(flag, v, 0, kKeepaliveMaxMs, "0 (off) or milliseconds in 1000..32767000"));
@@ -243,6 +249,9 @@ ServerConfig parse_args(int argc, char** argv) {
       cfg.log_level = parse_level(flag, value);
     } else if (flag == "--token-file") {
       token_file = value;
+    } else if (flag == "--torch-protocol") {
+      if (value != "on" && value != "off") bad_flag(flag, "expected on or off, got '" + value + "'");
+      cfg.torch_protocol = value == "on";
     } else if (flag == "--allow-unauthenticated-from") {
       elasticstore::Cidr c;
       std::string error;

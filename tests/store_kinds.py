@@ -83,11 +83,15 @@ def connect(spec: dict[str, Any]) -> dist.Store:
         return store
     if kind == "prefix-elasticstore":
         return dist.PrefixStore(spec["prefix"], store)
+    if kind == "es-prefix-elasticstore":
+        return elasticstore.PrefixStore(spec["prefix"], store)
     raise ValueError(f"unknown store kind {kind!r}")
 
 
 @contextlib.contextmanager
-def _open_elasticstore(prefix: str | None = None) -> Iterator[Opened]:
+def _open_elasticstore(prefix: str | None = None, ours: bool = False) -> Iterator[Opened]:
+    """Our Store, alone or under a prefix: torch's PrefixStore (the trampoline path) or, with
+    ``ours``, elasticstore.PrefixStore."""
     import elasticstore
 
     with elasticstore.StoreServer() as server:
@@ -95,16 +99,19 @@ def _open_elasticstore(prefix: str | None = None) -> Iterator[Opened]:
 
         def client() -> dist.Store:
             store = elasticstore.Store(host, port, timeout=DEFAULT_TIMEOUT)
-            return store if prefix is None else dist.PrefixStore(prefix, store)
+            if prefix is None:
+                return store
+            return elasticstore.PrefixStore(prefix, store) if ours else dist.PrefixStore(prefix, store)
 
+        kind, name = ("elasticstore", "elasticstore") if prefix is None else (
+            ("es-prefix-elasticstore", "es-prefix") if ours else ("prefix-elasticstore", "prefix"))
         spec: dict[str, Any] = {
-            "kind": "elasticstore" if prefix is None else "prefix-elasticstore",
+            "kind": kind,
             "host": host,
             "port": port,
             "prefix": prefix,
             "timeout": DEFAULT_TIMEOUT.total_seconds(),
         }
-        name = "elasticstore" if prefix is None else "prefix"
         yield Opened(KINDS_BY_NAME[name], client(), client, spec, server)
 
 
@@ -217,6 +224,9 @@ KINDS: list[StoreKind] = [
         lambda: _open_elasticstore(prefix="conformance"),
         lacks=TRAMPOLINE_LACKS,
     ),
+    # elasticstore.PrefixStore: the prefix applied in Python, so every call (queues included)
+    # reaches elasticstore.Store.
+    StoreKind("es-prefix", lambda: _open_elasticstore(prefix="conformance", ours=True)),
     # torch's own TCPStore client speaking its protocol to our server (the second codec).
     StoreKind(
         "tcpstore-client",

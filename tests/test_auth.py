@@ -262,6 +262,24 @@ def test_bad_handshakes_close_and_touch_nothing(server: StoreServer, payload: by
         assert store.try_get("k") is None
 
 
+@pytest.mark.parametrize("mac_size", [0, 16, 33])
+def test_malformed_auth_closes_without_a_reply(
+    server: StoreServer, mac_size: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An AUTH whose MAC is not 32 bytes is malformed: the connection closes with no reply (a
+    logged reason), it is not answered as a wrong token."""
+    sock = _connect(server.port)
+    _server_nonce(sock, os.urandom(NONCE))
+    sock.sendall(_frame(AUTH, 2, _bytes(os.urandom(mac_size))))
+    sock.settimeout(10)
+    assert sock.recv(65536) == b""  # closed, and nothing was sent before the close
+    sock.close()
+    err: list[str] = []
+    wait_until(lambda: err.append(capfd.readouterr().err) or "opcode AUTH" in "".join(err), 10,
+               "the logged reason")
+    assert "malformed frame (opcode AUTH)" in "".join(err)
+
+
 # ---- torch's TCPStore protocol under a token ----------------------------------------------------
 
 

@@ -78,6 +78,11 @@ def test_store_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,
     with Store.from_env() as store:
         assert store.timeout == SHORT
         store.set("k", "v")
+    for bad in ("1e400", "-5", "0", "nan", "inf", "1e300", "soon"):
+        monkeypatch.setenv("ELASTICSTORE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"ELASTICSTORE_TIMEOUT='{bad}'"):
+            Store.from_env()
+    monkeypatch.setenv("ELASTICSTORE_TIMEOUT", "5")
     monkeypatch.setenv("ELASTICSTORE_PORT", "x")
     with pytest.raises(ValueError, match="ELASTICSTORE_PORT"):
         Store.from_env()

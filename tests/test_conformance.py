@@ -30,7 +30,8 @@ def _wait_for_waiters(opened: sk.Opened, count: int) -> None:
 
 def _assert_times_out(call: Callable[[], object], seconds: float) -> None:
     start = time.monotonic()
-    with pytest.raises(dist.DistStoreError):
+    # torch's own tests and users' code recognise a timeout by the word in the message.
+    with pytest.raises(dist.DistStoreError, match="[Tt]imeout"):
         call()
     elapsed = time.monotonic() - start
     assert seconds * 0.9 <= elapsed <= seconds + SLACK, f"timed out after {elapsed:.3f}s"
@@ -334,6 +335,20 @@ def test_queue(opened: sk.Opened) -> None:
     _assert_times_out(lambda: store.queue_pop("q"), SHORT.total_seconds())
     store.queue_push("q", "c")
     assert store.queue_pop("q") == b"c"
+
+
+def test_check_counts_a_non_empty_queue(opened: sk.Opened) -> None:
+    """torch's stores count a queue with items as a key: check() is true for it, and false
+    again once it is drained."""
+    opened.require(sk.QUEUES)
+    store = opened.store
+    assert not store.check(["cq"])
+    store.queue_push("cq", "item")
+    assert store.check(["cq"])
+    store.set("plain", "1")
+    assert store.check(["cq", "plain"])
+    assert store.queue_pop("cq") == b"item"
+    assert not store.check(["cq"])
 
 
 def test_queue_pop_woken_by_push(opened: sk.Opened) -> None:

@@ -144,6 +144,93 @@ def test_members_allowed_peers_serve_torch_clients_from_members_only() -> None:
         assert not served("127.0.0.9")
 
 
+def test_torch_client_without_token_cannot_stop_a_job_over_loopback(
+    token_file: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A local process with torch's own TCPStore client (which cannot carry the token) is
+    refused by a token-protected rendezvous server even over loopback: it reads no key and
+    cannot write ``ctl/closed``, and the job's rendezvous completes."""
+    import torch.distributed as dist
+
+    port = _free_port("127.0.0.1")
+    endpoint = f"127.0.0.1:{port}"
+    handlers = [
+        get_rendezvous_handler(_params(endpoint, "127.0.0.1", token_file=token_file,
+                                       last_call_timeout=0.2, join_timeout=30))
+        for _ in range(2)
+    ]
+    try:
+        intruded = []
+        try:
+            intruder = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                     timeout=timedelta(seconds=5))
+            intruder.set("rdzv/tokjob/ctl/closed", '{"reason": "stopped by an intruder"}')
+            intruded.append(intruder.check(["rdzv/tokjob/ctl/closed"]))
+        except (RuntimeError, dist.DistError):
+            pass
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert not intruded
+        assert sorted(i.rank for i in infos) == [0, 1]
+        assert not any(h.is_closed() for h in handlers)
+        err = capfd.readouterr().err
+        assert "torch TCPStore client refused" in err and "serves only native clients" in err
+    finally:
+        for h in reversed(handlers):
+            h.shutdown()
+
+
+def _torch_validate_served(port: int) -> bool:
+    """Whether the server answers torch's VALIDATE + GET_NUM_KEYS on a loopback connection."""
+    with socket.socket() as sock:
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"\x00" + (0x3C85F7CE).to_bytes(4, "little") + b"\x07")
+        try:
+            return len(sock.recv(8)) > 0
+        except (ConnectionResetError, TimeoutError):
+            return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_worker_store_serves_torch_clients_of_its_own_user_only_on_loopback() -> None:
+    """On a shared host, another local user's process with torch's client is refused by the
+    round's worker store; the job's own processes (same user) are served."""
+    from elasticstore.rendezvous.state import RoundState
+    from elasticstore.rendezvous.worker_store import host_worker_store
+
+    server = host_worker_store("127.0.0.1", RoundState(1, ("127.0.0.1-10-0",)), TOKEN)
+    try:
+        assert _torch_validate_served(server.port)
+        pid = os.fork()
+        if pid == 0:  # another user on the same host
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                code = 1 if _torch_validate_served(server.port) else 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user's torch client was served"
+    finally:
+        server.close()
+
+
+def test_allowed_peers_are_single_hosts() -> None:
+    """Vouching at run time names hosts; a range (up to every address) is the operator's."""
+    from elasticstore import StoreServer
+
+    with StoreServer(token=TOKEN) as srv, Store(srv.host, srv.port, token=TOKEN) as st:
+        for wide in ("0.0.0.0/0", "::/0", "10.0.0.0/8"):
+            with pytest.raises(ValueError, match="range"):
+                srv.allow_peer(wide)
+            with pytest.raises(elasticstore.StoreError, match="range"):
+                st.allow_peers([wide])
+        srv.set_allowed_peers(["10.1.2.3", "fd00::1", "10.1.2.4/32"])
+        assert sorted(srv.allowed_peers()) == ["10.1.2.3/32", "10.1.2.4/32", "fd00::1/128"]
+
+
 def test_bad_token_file_is_refused_naming_the_key(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")

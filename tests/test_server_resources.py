@@ -7,7 +7,10 @@ one)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+import resource
 import socket
 import struct
 import subprocess
@@ -15,6 +18,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from dataclasses import dataclass
 
 import procs
@@ -74,12 +78,25 @@ _sockets: list[socket.socket] = []  # closed when the test's server stops
 
 @pytest.fixture
 def server() -> Iterator[Server]:
+    with serving() as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def serving(*flags: str, nofile: tuple[int, int] | None = None) -> Iterator[Server]:
+    """An ``elasticstore-server`` process with these extra flags (and, with ``nofile``, that
+    soft and hard RLIMIT_NOFILE), stopped (and checked gone) on exit."""
     with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
         log_path = log.name
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            [_binary(), "--host", "127.0.0.1", "--port", "0", "--log-level", "info"],
-            stdout=subprocess.PIPE, stderr=log_file, text=True,
+            [_binary(), "--host", "127.0.0.1", "--port", "0", "--log-level", "info", *flags],
+            stdout=subprocess.PIPE, stderr=log_file, text=True, preexec_fn=limit,
         )
     try:
         assert proc.stdout is not None
@@ -367,8 +384,40 @@ def test_barrier_names_cost_little_and_timed_out_ones_nothing(server: Server) ->
             assert c.reply()[0] == OK
     per_name = (server.rss() - base) / n
     print(f"barrier names: {per_name:.0f} bytes each")
-    assert c.stats()["barriers"] == n + 1
+    assert c.stats()["barriers"] == MAX_IDLE_BARRIER_NAMES  # the oldest idle ones forgotten
     assert per_name < 90, f"{per_name:.0f} bytes per released barrier name"
+
+
+MAX_IDLE_BARRIER_NAMES = 65_536  # kMaxIdleBarrierNames
+
+
+def _one_shot_barriers(c: Native, n: int) -> None:
+    for lo in range(0, n, 10_000):
+        c.send(b"".join(frame(BARRIER, i, blob(b"once-%07d" % i) + struct.pack("<II", 1, 0))
+                        for i in range(lo, min(n, lo + 10_000))))
+        for _ in range(lo, min(n, lo + 10_000)):
+            assert c.reply()[0] == OK
+
+
+def test_one_shot_barrier_names_are_bounded_and_forgotten_once_idle() -> None:
+    """300,000 one-shot barrier names from a client that then leaves: the server keeps at most
+    kMaxIdleBarrierNames of them, and none once they have been idle --barrier-idle-ms."""
+    with serving("--barrier-idle-ms", "2000") as server:
+        c = Native(server.port)
+        base = server.rss()
+        _one_shot_barriers(c, 300_000)
+        grown = server.rss() - base
+        held = c.stats()["barriers"]
+        print(f"300000 one-shot barrier names: {held} held, server RSS +{grown / MIB:.1f} MiB")
+        assert held <= MAX_IDLE_BARRIER_NAMES
+        assert grown < 12 * MIB, f"server RSS grew by {grown / MIB:.1f} MiB"
+        c.close()
+        other = Native(server.port)
+        procs.wait_until(lambda: other.stats()["barriers"] == 0, 30,
+                         "the idle barrier names to be forgotten")
+        # A name forgotten starts again at generation 0; the server stays usable.
+        status, rest = other.call(BARRIER, blob(b"once-0299999") + struct.pack("<II", 1, 0))
+        assert (status, struct.unpack("<Q", rest)[0]) == (OK, 0)
 
 
 # ---- blocked requests: their memory is bounded per connection ------------------------------------
@@ -400,3 +449,64 @@ def test_pipelined_blocking_requests_are_bounded(server: Server) -> None:
     payload = struct.pack("<I", 10) + b"".join(blob(k) + blob(b"1") for k in names[:10])
     assert setter.call(MULTI_SET, payload)[0] == OK
     assert other.reply()[0] == OK
+
+
+# ---- connections that never authenticate ---------------------------------------------------------
+
+MAX_HALF_OPEN_PER_PEER = 1_024  # kMaxHalfOpenPerPeer
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                soft, hard = line.split()[3:5]
+                return int(soft), int(hard)
+    raise AssertionError("no open-files line")
+
+
+@pytest.mark.parametrize("attacker", ["127.0.0.1", "127.0.0.2"], ids=["same-address", "other-host"])
+def test_unauthenticated_connections_leave_room_for_authenticated_ones(
+    tmp_path: pathlib.Path, attacker: str
+) -> None:
+    """Under an open-file limit of 256, one peer holding 400 connections that never finish the
+    handshake does not keep 8 clients with the token out: connections not yet authenticated are
+    bounded per peer address and to half the descriptors, the oldest closed first."""
+    from elasticstore import Store
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with serving("--token-file", str(token), nofile=(256, 256)) as server:
+        held: list[socket.socket] = []
+        for _ in range(400):
+            s = socket.socket()
+            _sockets.append(s)
+            s.bind((attacker, 0))
+            s.settimeout(10)
+            try:
+                s.connect(("127.0.0.1", server.port))
+                s.sendall(b"ES")  # a preamble begun, never finished
+            except OSError:
+                s.close()  # refused or reset at once: holds nothing
+                continue
+            held.append(s)
+        clients = [Store("127.0.0.1", server.port, token="s3cret", timeout=timedelta(seconds=10))
+                   for _ in range(8)]
+        try:
+            for i, c in enumerate(clients):
+                c.set(f"k{i}", "v")
+            assert clients[0].num_keys() == 8
+            stats = clients[0].stats()
+            print(f"400 never-authenticated connections from {attacker}: "
+                  f"{stats['connections_half_open']} kept, {stats['connections_shed_half_open']} shed")
+            assert stats["connections_half_open"] <= min(MAX_HALF_OPEN_PER_PEER, 256 // 2)
+            assert "Too many open files" not in server.log()
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_server_raises_its_open_file_limit_to_the_hard_limit() -> None:
+    with serving(nofile=(256, 1024)) as server:
+        assert _open_files_limit(server.proc.pid) == (1024, 1024)
+        assert "raised the open-file limit from 256 to 1024" in server.log()

@@ -81,12 +81,16 @@ class Server:
         token: str = "",  # "": no authentication; else 1..MAX_TOKEN_BYTES bytes
         allow_unauthenticated_from: list[str] = ...,  # CIDRs that may use torch's protocol
         allowed_peers: list[str] = ...,  # peers vouched for at start
-        allow_loopback: bool = True,  # loopback may use torch's protocol (tests turn it off)
+        allow_loopback: bool = True,  # loopback processes of the server's user may use torch's
+        # protocol (tests turn it off)
+        barrier_idle_ms: int = 600000,  # an idle released barrier name is forgotten after it
+        torch_protocol: bool = True,  # with a token, False refuses torch's protocol from everyone
     ) -> None: ...
     @property
     def requires_token(self) -> bool: ...
     def allow_peer(self, addr: str) -> None:
-        """An address or CIDR that may use torch's protocol; ValueError when it does not parse."""
+        """An address that may use torch's protocol; ValueError when it does not parse or is a
+        range (ranges: allow_unauthenticated_from)."""
     def set_allowed_peers(self, addrs: list[str]) -> None: ...
     def allowed_peers(self) -> list[str]: ...
     @property

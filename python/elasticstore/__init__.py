@@ -23,6 +23,7 @@ from .errors import (
 )
 from .init_method import register as _register_init_method
 from ._token import read_token_file
+from .prefix_store import PrefixStore
 from .server import ServerConfig, StoreServer
 from .server_limits import ServerLimits
 from .store import Store, WatchEvent
@@ -34,6 +35,7 @@ __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never 
     "AmbiguousOutcomeError",
     "QueueEmptyError",
     "AuthenticationError",
+    "PrefixStore",
     "ClientCallStats",
     "ServerConfig",
     "ServerLimits",

@@ -2,6 +2,7 @@
 
     elasticstore server [--host H] [--port P] [--backlog N] [--max-connections N] [--log-level L]
                         [--token-file PATH] [--allow-unauthenticated-from CIDR]...
+                        [--torch-protocol {on,off}]
     elasticstore get KEY | set KEY VALUE | ls [PREFIX] | status   [--addr HOST:PORT]
                                                                [--token-file PATH]
     elasticstore status --rdzv-id ID [--rdzv-endpoint H:P] [--rdzv-backend etcd] [--json|--watch]
@@ -130,7 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_cidr,
         metavar="CIDR",
         help="with a token, also serve torch's unauthenticated TCPStore protocol to peers in this "
-        "IPv4/IPv6 range (repeatable; loopback and peers the job allows are always served)",
+        "IPv4/IPv6 range (repeatable; loopback processes of the server's user and peers the job "
+        "allows are always served)",
+    )
+    server.add_argument(
+        "--torch-protocol", choices=("on", "off"), default="on",
+        help="with a token, 'off' refuses torch's TCPStore protocol from every peer (a rendezvous "
+        "endpoint: only agents, native clients, use it)",
     )
     server.add_argument("--metrics-port", type=_port, default=None,
                         help="also serve the server's counters as Prometheus text on this port")
@@ -232,6 +239,7 @@ def _serve(args: argparse.Namespace) -> int:
         token=_token(args),
         allow_unauthenticated_from=tuple(args.allow_unauthenticated_from),
         limits=limits_from_args(args),
+        torch_protocol=args.torch_protocol == "on",
     )
     # Python runs signal handlers in the main thread whichever thread the kernel picked (the
     # server's, or one torch started at import); the handler only wakes the main thread.

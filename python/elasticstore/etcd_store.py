@@ -289,7 +289,8 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
     def check(self, keys: list[Key]) -> bool:  # type: ignore[override]
         full = [self._k(k) for k in keys]
         kvs, _ = self._read(full, self._op_deadline(), "check")
-        return all(k in kvs for k in full)
+        # As in torch's stores, a queue with items counts as a key.
+        return all(f in kvs or self.queue_len(k) > 0 for k, f in zip(keys, full))
 
     def num_keys(self) -> int:
         request = etcdrpc.RangeRequest(key=self._kv, range_end=_range_end(self._kv),

@@ -81,6 +81,7 @@ class ServerConfig:
     allowed_peers: tuple[str, ...] = ()
     allow_loopback: bool = True
     limits: ServerLimits = field(default_factory=ServerLimits)
+    torch_protocol: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -118,8 +119,10 @@ class StoreServer:
 
     ``token`` (docs/authentication.md): ``None`` reads ``ELASTICSTORE_TOKEN_FILE``, else
     ``ELASTICSTORE_TOKEN``; ``""`` means none. With a token, native clients must prove it, and
-    torch's TCPStore protocol is served only to loopback (``allow_loopback``), the
-    ``allowed_peers`` (see :meth:`allow_peer`) and the ``allow_unauthenticated_from`` CIDRs.
+    torch's TCPStore protocol is served only to loopback processes of this process's user
+    (``allow_loopback``), the ``allowed_peers`` (see :meth:`allow_peer`) and the
+    ``allow_unauthenticated_from`` CIDRs; ``torch_protocol=False`` refuses it from everyone (a
+    server only native clients use, such as a rendezvous server).
     Binding a non-loopback address without a token logs one warning. ``limits`` sets the
     server's bounds (key and value sizes, buffers, stored keys and bytes, timeouts, and how fast a
     peer gone without FIN/RST is closed with its session keys: TCP keepalive, 16 s by default; see
@@ -140,6 +143,7 @@ class StoreServer:
         allowed_peers: Iterable[str] = (),
         allow_loopback: bool = True,
         limits: ServerLimits | None = None,
+        torch_protocol: bool = True,
     ) -> None:
         self._config = ServerConfig(
             host,
@@ -152,6 +156,7 @@ class StoreServer:
             tuple(allowed_peers),
             allow_loopback,
             limits or ServerLimits(),
+            torch_protocol,
         )
         self._server: _C.Server | None = None
         if isinstance(resolve_timeout, timedelta):
@@ -166,6 +171,7 @@ class StoreServer:
             allow_unauthenticated_from=list(self._config.allow_unauthenticated_from),
             allowed_peers=list(self._config.allowed_peers),
             allow_loopback=allow_loopback,
+            torch_protocol=torch_protocol,
             **self._config.limits.as_kwargs(),
         )
         server.start()
@@ -215,8 +221,9 @@ class StoreServer:
         return self._live().requires_token
 
     def allow_peer(self, addr: str) -> None:
-        """Lets ``addr`` (an address or CIDR) use torch's TCPStore protocol when the server has
-        a token. Raises ``ValueError`` when it does not parse."""
+        """Lets ``addr`` (one host's address) use torch's TCPStore protocol when the server has
+        a token. Raises ``ValueError`` when it does not parse or is a range (ranges are the
+        operator's: ``allow_unauthenticated_from``)."""
         self._live().allow_peer(addr)
 
     def set_allowed_peers(self, addrs: Iterable[str]) -> None:

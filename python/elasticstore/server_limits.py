@@ -29,6 +29,9 @@ class ServerLimits:
     max_stored_bytes: int | None = None  # their key and value bytes [4 GiB]
     frame_timeout_ms: int | None = None  # time to finish a request once started [30000]
     handshake_timeout_ms: int | None = None  # connect to the end of the handshake [10000]
+    # An idle released barrier name (nobody waiting) is forgotten this long after its last
+    # arrival; a later arrival starts again at generation 0 [600000]
+    barrier_idle_ms: int | None = None
     # Dead peers (TCP keepalive): a peer gone without FIN/RST (powered off, partitioned) is closed,
     # and its session keys dropped, after idle + interval * count ms [16 s]. Idle and interval are
     # whole seconds (the kernel's unit); 0 in any of the three turns the detection off.

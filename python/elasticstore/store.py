@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -31,6 +32,22 @@ def _seconds(timeout: timedelta | float) -> float:
     """Seconds for ``_C``. Like torch's ``kNoTimeout``, zero or less waits forever."""
     secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     return secs if secs > 0 else _C.NO_TIMEOUT
+
+
+def _env_timeout(text: str) -> timedelta:
+    """``ELASTICSTORE_TIMEOUT``: a positive, finite number of seconds that a timedelta holds."""
+    try:
+        secs = float(text)
+    except ValueError:
+        raise ValueError(f"ELASTICSTORE_TIMEOUT={text!r} is not a number of seconds") from None
+    if not math.isfinite(secs) or secs <= 0:
+        raise ValueError(f"ELASTICSTORE_TIMEOUT={text!r} must be a positive, finite number of "
+                         "seconds")
+    try:
+        return timedelta(seconds=secs)
+    except OverflowError:
+        raise ValueError(f"ELASTICSTORE_TIMEOUT={text!r} is more seconds than a timedelta "
+                         f"holds ({timedelta.max.total_seconds():.0f})") from None
 
 
 def _as_bytes(value: Value) -> bytes:
@@ -128,13 +145,8 @@ class Store(dist.Store):
             port = int(port_text)
         except ValueError:
             raise ValueError(f"ELASTICSTORE_PORT={port_text!r} is not a port number") from None
-        timeout = _DEFAULT_TIMEOUT
         timeout_text = os.environ.get("ELASTICSTORE_TIMEOUT")
-        if timeout_text:
-            try:
-                timeout = timedelta(seconds=float(timeout_text))
-            except ValueError:
-                raise ValueError(f"ELASTICSTORE_TIMEOUT={timeout_text!r} is not seconds") from None
+        timeout = _env_timeout(timeout_text) if timeout_text else _DEFAULT_TIMEOUT
         return cls(host, port, timeout=timeout, client_name=client_name)
 
     def allow_peers(self, addrs: list[str]) -> None:

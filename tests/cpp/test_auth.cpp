@@ -211,7 +211,8 @@ TEST(allow_list) {
   std::string err;
   CHECK(parse_cidr("192.168.0.0/16", &range, &err));
   PeerAllowList with_loopback(true, {range});
-  CHECK(with_loopback.allows(v4("127.0.0.1")));
+  CHECK(with_loopback.loopback());  // loopback peers are checked by user (ServerAuth), not here
+  CHECK(!with_loopback.allows(v4("127.0.0.1")));
   CHECK(with_loopback.allows(v4("192.168.4.4")));
   CHECK(!with_loopback.allows(v4("10.0.0.1")));
   CHECK(with_loopback.add("10.0.0.1", &err));
@@ -219,13 +220,17 @@ TEST(allow_list) {
   CHECK(with_loopback.add("10.0.0.1", &err));  // twice: kept once
   CHECK_EQ(with_loopback.peers().size(), std::size_t{1});
   CHECK(!with_loopback.add("nonsense", &err));
+  CHECK(!with_loopback.add("10.0.0.0/8", &err) && contains(err, "is a range"));  // hosts only
+  CHECK(!with_loopback.add("0.0.0.0/0", &err) && !with_loopback.set({"::/0"}, &err));
+  CHECK(with_loopback.add("10.0.0.3/32", &err));
+  CHECK_EQ(with_loopback.peers().size(), std::size_t{2});
   CHECK(!with_loopback.set({"10.0.0.2", "bad"}, &err));  // all or nothing
   CHECK(with_loopback.allows(v4("10.0.0.1")));
   CHECK(with_loopback.set({"10.0.0.2"}, &err));
   CHECK(!with_loopback.allows(v4("10.0.0.1")));
   CHECK(with_loopback.allows(v4("192.168.4.4")));  // the operator's ranges stay
   PeerAllowList no_loopback(false, {});
-  CHECK(!no_loopback.allows(v4("127.0.0.1")));
+  CHECK(!no_loopback.loopback() && !no_loopback.allows(v4("127.0.0.1")));
 }
 
 TEST(client_and_server_authenticate_each_other) {
@@ -275,8 +280,15 @@ TEST(server_refuses_bad_allow_lists) {
   CHECK(ok.allowed_peers() == std::vector<std::string>{"10.0.0.7/32"});
   ok.start();
   Client c("127.0.0.1", ok.port(), client_options("t"));
-  c.allow_peers({"fd00::/8"});
+  c.allow_peers({"fd00::8"});
   CHECK_EQ(ok.allowed_peers().size(), std::size_t{2});
+  threw = false;
+  try {
+    c.allow_peers({"fd00::/8"});  // a range is the operator's to allow
+  } catch (const StoreError& e) {
+    threw = contains(e.what(), "is a range");
+  }
+  CHECK(threw);
   threw = false;
   try {
     c.allow_peers({"bad"});
@@ -363,7 +375,8 @@ TEST(handshake_codec_full_exchange_and_refusals) {
              &reason) == HandshakeStep::Refused);
   // A MAC of the wrong size: malformed.
   copy = hs;
-  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload("short"), &out, &reason) == HandshakeStep::Refused);
+  CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload("short"), &out, &reason) == HandshakeStep::Close);
+  CHECK(out.empty() && contains(reason, "malformed frame (opcode AUTH)"));
   copy = hs;
   CHECK(feed(copy, auth, Op::Auth, 2, bytes_payload(std::string(kAuthMacBytes + 1, 'x')), &out,
              &reason) == HandshakeStep::Close);

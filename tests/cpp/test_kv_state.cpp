@@ -393,6 +393,45 @@ TEST(barrier_entries_are_erased_when_idle) {
   CHECK_EQ(f.kv.barrier_count(), std::size_t{2});
 }
 
+TEST(idle_barrier_names_expire_and_are_capped) {
+  StoreLimits limits;
+  limits.barrier_idle_ms = 100;
+  KvState kv{&fake_clock, limits};
+  std::vector<Completion> done;
+  kv.open_session(1);
+  kv.barrier(1, 1, "a", 1, kNoTimeout);  // released at g_now: idle from now on
+  g_now += 60;
+  kv.barrier(1, 2, "b", 1, kNoTimeout);
+  kv.expire_idle_barriers();
+  CHECK_EQ(kv.barrier_count(), std::size_t{2});
+  g_now += 40;  // "a" idle for 100 ms: forgotten; "b" for 40 ms: kept
+  kv.expire_idle_barriers();
+  CHECK_EQ(kv.barrier_count(), std::size_t{1});
+  kv.take_ready(&done);
+  kv.barrier(1, 3, "a", 1, kNoTimeout);  // starts again at generation 0
+  kv.barrier(1, 4, "b", 1, kNoTimeout);  // counts on, and its idle time starts again
+  kv.take_ready(&done);
+  CHECK_EQ(done.at(0).revision, 0ull);
+  CHECK_EQ(done.at(1).revision, 1ull);
+  g_now += 99;
+  kv.expire_idle_barriers();
+  CHECK_EQ(kv.barrier_count(), std::size_t{2});
+  g_now += 1;
+  kv.barrier(1, 5, "c", 2, 0);  // any barrier request expires the idle ones first
+  CHECK_EQ(kv.barrier_count(), std::size_t{0});
+  // At most kMaxIdleBarrierNames idle names: the oldest are forgotten first.
+  for (std::size_t i = 0; i < kMaxIdleBarrierNames + 10; ++i)
+    kv.barrier(1, 6, "once-" + std::to_string(i), 1, kNoTimeout);
+  CHECK_EQ(kv.barrier_count(), kMaxIdleBarrierNames);
+  kv.take_ready(&done);
+  kv.barrier(1, 7, "once-10", 1, kNoTimeout);  // the oldest kept: generation 1
+  kv.barrier(1, 8, "once-9", 1, kNoTimeout);   // forgotten: generation 0 again
+  kv.take_ready(&done);
+  CHECK_EQ(done.at(0).revision, 1ull);
+  CHECK_EQ(done.at(1).revision, 0ull);
+  CHECK_EQ(kv.barrier_count(), kMaxIdleBarrierNames);
+}
+
 TEST(blocked_requests_are_bounded_per_connection) {
   Fixture f;
   std::vector<std::string> names;

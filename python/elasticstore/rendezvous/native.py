@@ -79,7 +79,9 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             log.info("a rendezvous server already answers at %s", settings.endpoint)
         except StoreNetworkError:
             try:
-                server = StoreServer(host, settings.port, token=token)
+                # Only agents (native clients) use it: with a token, torch's protocol, which
+                # cannot prove it, is refused from every peer.
+                server = StoreServer(host, settings.port, token=token, torch_protocol=False)
                 log.info("hosting the rendezvous server at %s", server.address)
             except Exception as exc:  # bound by another agent meanwhile: use that one
                 log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
