@@ -224,34 +224,18 @@ class DeciderCheck:
 
 
 class Heartbeat:
-    """Keeps ``key`` (bound to this connection's session) fresh every ``period`` seconds, for a
-    store that does not end silent sessions; the ring watchers time out a node whose key stopped
-    changing. A timer on its own connection and thread: a busy main thread does not delay it."""
+    """Keeps ``key`` (bound to a session of its own) fresh every ``period`` seconds, for a store
+    that does not end silent sessions; the ring watchers and ``DeciderCheck`` time out a node
+    whose key stopped changing. The beats come from a native thread that never takes the GIL:
+    a busy interpreter (a thousand agents' threads in one process) does not delay them, while a
+    stopped or cut-off process stops them."""
 
     def __init__(self, backend: StoreBackend, key: str, value: str, period: float) -> None:
-        self._b, self._key, self._value, self._period = backend, key, value, period
-        self._beats = 0  # in the value: a waiting node sees the key change (DeciderCheck)
-        self._stop = threading.Event()
-        self.beat()  # the key exists before the constructor returns
-        self._thread = threading.Thread(target=self._run, name="rdzv-heartbeat", daemon=True)
-        self._thread.start()
+        self._beat = backend.keep_fresh(key, value, period)
 
     def beat(self) -> None:
-        self._beats += 1
-        self._b.set(self._key, f"{self._value} {self._beats}", ephemeral=True)
+        self._beat.beat()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                self.beat()
-            except Exception as exc:  # retried next period; a lost store is reported elsewhere
-                log.debug("heartbeat of %s: %s", self._key, exc)
-
-    def stop(self, delete: bool) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        try:
-            if delete:
-                self._b.delete(self._key)
-        finally:
-            self._b.close()
+    def stop(self) -> None:
+        """Stops beating at once; closing its session deletes the key."""
+        self._beat.stop()

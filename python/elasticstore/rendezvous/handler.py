@@ -73,8 +73,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
             if backend.needs_heartbeat:
                 # The liveness key is bound to the heartbeat's own connection and refreshed
                 # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
-                self._heartbeat = Heartbeat(backend.clone(), self._keys.alive(self._node),
-                                            self._addr, settings.lease_ttl / 3)
+                self._heartbeat = Heartbeat(backend, self._keys.alive(self._node), self._addr,
+                                            settings.lease_ttl / 3)
                 self._alive = True
             else:
                 self._ensure_alive()
@@ -232,10 +232,10 @@ class ElasticRendezvousHandler(RendezvousHandler):
             finally:  # no thread of this node outlives it, whatever failed
                 heartbeat, self._heartbeat = self._heartbeat, None
                 if heartbeat is not None:
-                    heartbeat.stop(delete=True)
-            if self._alive:
+                    heartbeat.stop()  # its session ends: the liveness key goes
+            if self._alive and heartbeat is None:
                 self._backend.delete(self._keys.alive(self._node))
-                self._alive = False
+            self._alive = False
             return True
         except Exception as exc:  # the store may be gone with its host: nothing left to undo
             log.warning("rendezvous shutdown of %s: %s", self._node, exc)
