@@ -16,7 +16,6 @@ import itertools
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,8 +66,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._heartbeat: Heartbeat | None = None
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
-        self._lock = threading.Lock()
         self._stop_seen: str | None = None  # the run's closing reason, once a watch saw it
+        self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
+        self._shut = False  # shutdown() was called: a join in progress gives up
         with self._guard():
             if backend.needs_heartbeat:
                 # The liveness key is bound to the heartbeat's own connection and refreshed
@@ -105,6 +105,24 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return self._round
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._joining += 1
+        error: BaseException | None = None
+        try:
+            info = self._next_rendezvous()
+            if not self._shut:
+                return info
+        except BaseException as exc:
+            if not self._shut:
+                raise
+            error = exc
+        finally:
+            self._joining -= 1
+        self._leave_round(withdraw=False)  # a round entered meanwhile: its store, its server
+        raise RendezvousConnectionError(
+            f"rendezvous {self._settings.run_id!r}: node {self._node} was shut down while "
+            "joining") from error
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         start = time.monotonic()
         deadline = start + self._settings.join_timeout
         with self._guard():
@@ -225,15 +243,24 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return self._worker_server is not None or getattr(self._backend, "server", None) is not None
 
     def shutdown(self) -> bool:
-        """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""
+        """Withdraws this node only (its keys go; the rendezvous stays open for the others).
+
+        At once while another thread waits in ``next_rendezvous`` (an agent that got a signal):
+        that wait blocks on this node's connection, so the connection is closed first, which
+        ends the wait (``next_rendezvous`` raises) and, with the session, this node's
+        session-bound keys; nothing is left to delete."""
+        self._shut = True
+        joining = self._joining > 0
+        if joining:
+            self._close_connections()
         try:
             try:
-                self._leave_round()
+                self._leave_round(withdraw=not joining)
             finally:  # no thread of this node outlives it, whatever failed
                 heartbeat, self._heartbeat = self._heartbeat, None
                 if heartbeat is not None:
                     heartbeat.stop()  # its session ends: the liveness key goes
-            if self._alive and heartbeat is None:
+            if self._alive and heartbeat is None and not joining:
                 self._backend.delete(self._keys.alive(self._node))
             self._alive = False
             return True
@@ -241,10 +268,13 @@ class ElasticRendezvousHandler(RendezvousHandler):
             log.warning("rendezvous shutdown of %s: %s", self._node, exc)
             return False
         finally:
-            spare, self._spare = self._spare, None
-            if spare is not None:
-                spare.close()
-            self._backend.close()
+            self._close_connections()
+
+    def _close_connections(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+        self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -385,9 +415,10 @@ class ElasticRendezvousHandler(RendezvousHandler):
             store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)
         )
 
-    def _leave_round(self) -> None:
-        """Stops the ring watcher and closes the round's worker store; then deletes the join key,
-        which raises when the rendezvous store is gone (nothing else is skipped then)."""
+    def _leave_round(self, withdraw: bool = True) -> None:
+        """Stops the ring watcher and closes the round's worker store; then (``withdraw``)
+        deletes the join key, which raises when the rendezvous store is gone (nothing else is
+        skipped then)."""
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
@@ -398,5 +429,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if server is not None:
             server.close()
         self._round = None
-        self._drop_join()
+        if withdraw:
+            self._drop_join()
+        else:
+            self._joined = None  # session-bound: gone with the closed connection
 
