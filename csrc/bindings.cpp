@@ -408,13 +408,14 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<es::Heartbeat>(m, "Heartbeat")
       .def(py::init([](es::Client& client, const std::string& key, const std::string& value,
-                       double period) {
+                       double period, const std::string& presence) {
              return call_blocking([&] {
                return std::make_unique<es::Heartbeat>(client.clone(), key, value,
-                                                      to_timeout(period));
+                                                      to_timeout(period), presence);
              });
            }),
-           py::arg("client"), py::arg("key"), py::arg("value"), py::arg("period"))
+           py::arg("client"), py::arg("key"), py::arg("value"), py::arg("period"),
+           py::arg("presence") = "")
       .def("beat", [](es::Heartbeat& h) { call_blocking([&] { h.beat(); }); })
       .def_property_readonly("beats", &es::Heartbeat::beats)
       .def("stop", [](es::Heartbeat& h) {

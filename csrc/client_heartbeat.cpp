@@ -6,9 +6,9 @@
 namespace elasticstore {
 
 Heartbeat::Heartbeat(std::unique_ptr<Client> client, std::string key, std::string value,
-                     Timeout period)
+                     Timeout period, std::string presence)
     : client_(std::move(client)), key_(std::move(key)), value_(std::move(value)),
-      period_(period.count() > 0 ? period : Timeout(1)) {
+      presence_(std::move(presence)), period_(period.count() > 0 ? period : Timeout(1)) {
   beat();  // the key exists before the constructor returns
   thread_ = std::thread([this] { run(); });
 }
@@ -18,6 +18,8 @@ Heartbeat::~Heartbeat() { stop(); }
 void Heartbeat::beat() {
   const uint64_t n = beats_.fetch_add(1, std::memory_order_relaxed) + 1;
   client_->set(key_, value_ + " " + std::to_string(n), /*ephemeral=*/true);
+  // Back at once after a reconnect (a new session) or a watcher's delete; no change otherwise.
+  if (!presence_.empty()) client_->compare_set(presence_, "", value_, /*ephemeral=*/true);
 }
 
 void Heartbeat::run() noexcept {

@@ -81,9 +81,10 @@ class StoreBackend(ABC):
         except StoreTimeoutError:
             return None
 
-    def keep_fresh(self, key: str, value: str, period: float) -> KeepFresh:
+    def keep_fresh(self, key: str, value: str, period: float, presence: str) -> KeepFresh:
         """Sets ``key`` (bound to a session of its own) to ``value`` plus a count now and every
-        ``period`` seconds after, until ``stop()``; for a backend with ``needs_heartbeat``."""
+        ``period`` seconds after, until ``stop()``, and creates ``presence`` on that session
+        when it is missing; for a backend with ``needs_heartbeat``."""
         raise NotImplementedError(f"{self.name}: its store ends silent sessions itself")
 
     def close(self) -> None:

@@ -32,13 +32,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ..errors import StoreNetworkError, WatchCompactedError
+from ..errors import StoreNetworkError
 from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
 from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
-from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
+from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import RoundReplaced, await_boot, host_worker_store, local_addr
@@ -73,7 +73,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
             if backend.needs_heartbeat:
                 # The liveness key is bound to the heartbeat's own connection and refreshed
                 # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
-                self._heartbeat = Heartbeat(backend, self._keys.alive(self._node), self._addr,
+                self._heartbeat = Heartbeat(backend, self._keys, self._node, self._addr,
                                             settings.lease_ttl / 3)
                 self._alive = True
             else:
@@ -334,58 +334,25 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
         left before writing it (the caller then tries to take its place)."""
         keys, backend = self._keys, self._backend
-        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl)
+        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl, self._node)
                  if backend.needs_heartbeat else None)  # etcd: its lease ends a silent one
-        while True:
-            rev = backend.revision()
-            state = self._read_round()
-            if state is not None and state.round >= target:
-                return state
-            if backend.get(keys.decider(target)) is None:
-                return None
-            while True:
-                self._check_closed_or_late(deadline, target)
-                wait = deadline - time.monotonic()
-                try:
-                    event = backend.watch(keys.ctl, rev, wait if check is None else
-                                          min(wait, check.due()))
-                except WatchCompactedError:
-                    break  # re-read
-                if check is not None:
-                    check.check()  # its delete of the decider key comes as an event
-                if event is None:
-                    continue  # the deadline check raises
-                rev = event.version
-                if event.key == keys.round:
-                    state = RoundState.from_json(event.value) if event.kind == "set" else None
-                    if state is not None and state.round >= target:
-                        return state
-                elif event.key == keys.decider(target) and event.kind == "delete":
-                    state = self._read_round()
-                    return state if state is not None and state.round >= target else None
-                elif event.key == keys.closed and event.kind == "set":
-                    self._closed_error(event.value)
+        try:
+            return await_round(backend, keys, target, check,
+                               lambda: self._check_closed_or_late(deadline, target),
+                               deadline, self._closed_error)
+        finally:
+            if check is not None:
+                check.release()
 
     def _check_closed_or_late(self, deadline: float, target: int) -> None:
         if time.monotonic() < deadline:
             return
-        joined = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.join_prefix(target)))
-        alive = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.alive_prefix))
-        prev = self._read_round()
-        expected = sorted(set(prev.participants) - set(joined)) if prev else []
+        joined = [k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.join_prefix(target))]
+        alive = [k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.alive_prefix)]
         s = self._settings
-
-        def names(nodes: list[str]) -> str:
-            shown = ", ".join(nodes[:16]) or "none"
-            return shown + (f", ... ({len(nodes) - 16} more)" if len(nodes) > 16 else "")
-
-        raise RendezvousTimeoutError(
-            f"rendezvous {s.run_id!r}: round {target} did not form within join_timeout="
-            f"{s.join_timeout:g}s (nnodes {s.min_nodes}:{s.max_nodes}); joined: "
-            f"{names(joined)} ({len(joined)}); missing: "
-            f"{max(0, s.min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
-            f"round's nodes not back: {names(expected)}; live nodes: {names(alive)}"
-        )
+        raise RendezvousTimeoutError(decisions.late_message(
+            s.run_id, target, s.join_timeout, s.min_nodes, s.max_nodes, joined, alive,
+            self._read_round()))
 
     # -- a round ----------------------------------------------------------------------------------
 

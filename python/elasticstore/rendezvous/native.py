@@ -42,8 +42,8 @@ class NativeBackend(StoreBackend):
     def clone(self) -> NativeBackend:
         return NativeBackend(self.store.clone(), self.endpoint)
 
-    def keep_fresh(self, key: str, value: str, period: float) -> KeepFresh:
-        return self.store.keep_fresh(key, value, period)
+    def keep_fresh(self, key: str, value: str, period: float, presence: str) -> KeepFresh:
+        return self.store.keep_fresh(key, value, period, presence)
 
     def close(self) -> None:
         try:
