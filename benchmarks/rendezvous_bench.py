@@ -17,9 +17,17 @@ AGENTS = [8, 64, 256]
 
 
 @pytest.mark.parametrize("agents", AGENTS)
-@pytest.mark.parametrize("peer", rendezvous.PEERS)
+@pytest.mark.parametrize("peer", (rendezvous.PEERS[0], rendezvous.TUNED) + rendezvous.PEERS[1:])
 def test_join_to_ranks(benchmark, peer: str, agents: int) -> None:  # type: ignore[no-untyped-def]
     benchmark.group = f"rendezvous join x{agents}"
     secs = benchmark.pedantic(rendezvous.join_time, args=(peer, agents, 150.0),
+                              rounds=1, iterations=1)
+    benchmark.extra_info.update(seconds=secs, finished=secs is not None)
+
+
+@pytest.mark.parametrize("agents", [256, 1024])
+def test_shutdown_while_waiting(benchmark, agents: int) -> None:  # type: ignore[no-untyped-def]
+    benchmark.group = f"rendezvous shutdown x{agents}"
+    secs = benchmark.pedantic(rendezvous.shutdown_time, args=(agents, 150.0),
                               rounds=1, iterations=1)
     benchmark.extra_info.update(seconds=secs, finished=secs is not None)

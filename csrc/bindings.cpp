@@ -13,6 +13,7 @@
 
 #include "auth.hpp"
 #include "client.hpp"
+#include "client_heartbeat.hpp"
 #include "client_stats.hpp"
 #include "protocol.hpp"
 #include "py_interop.hpp"
@@ -408,5 +409,22 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](es::Client& c) {
         auto stats = call_blocking([&] { return c.stats(); });
         return stats_dict(stats);
+      });
+
+  py::class_<es::Heartbeat>(m, "Heartbeat")
+      .def(py::init([](es::Client& client, const std::string& key, const std::string& value,
+                       double period, const std::string& presence) {
+             return call_blocking([&] {
+               return std::make_unique<es::Heartbeat>(client.clone(), key, value,
+                                                      to_timeout(period), presence);
+             });
+           }),
+           py::arg("client"), py::arg("key"), py::arg("value"), py::arg("period"),
+           py::arg("presence") = "")
+      .def("beat", [](es::Heartbeat& h) { call_blocking([&] { h.beat(); }); })
+      .def_property_readonly("beats", &es::Heartbeat::beats)
+      .def("stop", [](es::Heartbeat& h) {
+        py::gil_scoped_release release;
+        h.stop();
       });
 }

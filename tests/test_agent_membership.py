@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 from agent_procs import agents, assert_gone, free_port, node_flags, until
@@ -55,3 +56,34 @@ def test_scale_up_then_node_lost(tmp_path: object) -> None:
         out = a.output(n1) + a.output(n3)
         assert "world size 2" in out and "no restart spent" in out
         assert "restart 1/1" not in out  # membership changes never spend the budget
+
+
+def _joined(port: int, round_: int = 1) -> bool:
+    """Whether a node waits in round ``round_`` of run ``job`` (its join key is there)."""
+    from elasticstore import Store, StoreNetworkError
+
+    try:
+        with Store("127.0.0.2", port, timeout=timedelta(seconds=5)) as store:
+            return bool(store.list_keys(f"rdzv/job/join/{round_}/"))
+    except StoreNetworkError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_while_waiting_for_a_second_node_exits_at_once(tmp_path: object, sig: int) -> None:
+    """An agent waiting in the rendezvous for a node that never comes (its own join timeout far
+    off) stops within seconds of SIGINT/SIGTERM, with no traceback."""
+    port = free_port()
+    with agents(str(tmp_path)) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "2", 1, "--rdzv-conf", "join_timeout=120"),
+                     name="n1")
+        until(lambda: _joined(port), 120, "the agent waiting in round 1")
+        sent = time.monotonic()
+        n1.send_signal(sig)
+        code = a.wait(n1, 60)
+        took = time.monotonic() - sent
+        out = a.output(n1)
+        print(f"{signal.Signals(sig).name} in the rendezvous -> agent exited in {took:.2f}s")
+        assert code == 128 + sig, out
+        assert "Traceback" not in out and "Error" not in out.split("in the rendezvous", 1)[-1], out
+        assert took < 5.0, out

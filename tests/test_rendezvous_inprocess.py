@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -90,3 +91,52 @@ def test_localhost_endpoint_is_hosted_by_the_first_agent() -> None:
     finally:
         for h in reversed(handlers):
             h.shutdown()
+
+
+def test_many_handlers_waiting_in_the_rendezvous_shut_down_at_once() -> None:
+    """Handlers of one process wait in ``next_rendezvous`` for a round that cannot form (one
+    node short, the join timeout far off); shutting them all down at once ends every wait within
+    seconds, with the error naming the shutdown, and leaves none of their keys behind."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    n = 256
+    with elasticstore.StoreServer("127.0.0.1", 0) as server, \
+            elasticstore.Store("127.0.0.1", server.port) as store:
+        handlers = [
+            get_rendezvous_handler(params("elasticstore", server.address, n + 1, n + 1,
+                                          "127.0.0.1", join_timeout=60, last_call_timeout=1,
+                                          lease_ttl=40))
+            for _ in range(n)
+        ]
+        errors: list[BaseException] = []
+
+        def join(h: Any) -> None:
+            try:
+                h.next_rendezvous()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=join, args=(h,), daemon=True) for h in handlers]
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 120
+            while len(store.list_keys("rdzv/job/join/1/")) < n:
+                assert time.monotonic() < deadline, "the handlers did not all join round 1"
+                time.sleep(0.05)
+            start = time.monotonic()
+            with ThreadPoolExecutor(n) as pool:
+                assert all(pool.map(lambda h: h.shutdown(), handlers))
+            for t in threads:
+                t.join(timeout=max(0.0, start + 30 - time.monotonic()))
+            took = time.monotonic() - start
+            print(f"{n} handlers waiting in the rendezvous -> all shut down: {took:.2f}s")
+            assert not any(t.is_alive() for t in threads), f"waits still running after {took:.1f}s"
+            assert took < 5, f"{took:.2f}s"
+            assert len(errors) == n
+            assert all(isinstance(e, RendezvousConnectionError) and "shut down" in str(e)
+                       for e in errors), errors[:3]
+            assert store.list_keys("rdzv/job/") == []
+        finally:
+            for h in handlers:
+                h.shutdown()

@@ -3,8 +3,11 @@ loopback address (127.0.0.2, ...); the rendezvous server is hosted by this test 
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -86,3 +89,71 @@ def test_silent_decider_is_replaced_within_the_lease(agents: Callable[..., Agent
             first.thaw()  # back: the round is full (max 2), it waits as a standby
             time.sleep(0.5)
             assert first.proc.poll() is None
+
+
+def _gil_holder(seconds: float) -> Callable[[], float]:
+    """A call that keeps this process's Python threads from running for about ``seconds`` (or
+    longer on a loaded machine) in one stretch: a regular expression that backtracks
+    exponentially runs in C without releasing the GIL; its length is set here from short runs.
+    The call returns how long it held the GIL."""
+    def run(n: int) -> float:
+        t0 = time.monotonic()
+        re.match(r"(a+)+b", "a" * n)
+        return time.monotonic() - t0
+
+    n = 18
+    while (took := run(n)) < 0.2:
+        n += 1
+    growth = max(1.3, (took / max(run(n - 2), 1e-6)) ** 0.5)  # per added character
+    n += max(0, math.ceil(math.log(seconds / took) / math.log(growth)))
+    return lambda: run(n)
+
+
+def test_busy_decider_is_not_replaced(agents: Callable[..., Agents]) -> None:
+    """The decider's process is busy but alive (its Python threads get no time for three lease
+    TTLs, as with a thousand agents in one interpreter): the waiting node does not take its
+    place, and the round forms as soon as the decider gets the time back."""
+    from elasticstore.rendezvous.handler import ElasticRendezvousHandler
+    from elasticstore.rendezvous.native import create_native_backend
+    from elasticstore.rendezvous.settings import RendezvousSettings
+
+    with agents(2, 2) as group:
+        ttl = float(group.common["conf"]["lease_ttl"])
+        host, port = group.common["endpoint"].rsplit(":", 1)
+        settings = RendezvousSettings(run_id="job", host=host, port=int(port), min_nodes=2,
+                                      max_nodes=2, local_addr="127.0.0.5", join_timeout=60,
+                                      last_call_timeout=0.3, lease_ttl=ttl)
+        handler = ElasticRendezvousHandler(create_native_backend(settings), settings)
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                result["info"] = handler.next_rendezvous()
+            except Exception as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=join, daemon=True)
+        try:
+            with elasticstore.Store(host, int(port)) as store:
+                thread.start()
+                deadline = time.monotonic() + 30
+                while store.try_get("rdzv/job/ctl/decider/1") != handler.node_id.encode():
+                    assert time.monotonic() < deadline, "this process's node did not decide"
+                    time.sleep(0.05)
+                hold = _gil_holder(3 * ttl)
+                (other,) = group.start_together(["127.0.0.3"])  # joins while we are busy
+                held = hold()
+                back = time.time()
+                rnd = other.expect("round", 15)
+                assert held > 1.5 * ttl and rnd["t"] > back - 0.5, (held, rnd["t"] - back)
+                thread.join(15)
+                print(f"decider busy {held:.1f}s (lease_ttl {ttl:g}s) -> round "
+                      f"{time.time() - back:.2f}s after")
+                assert "taking over" not in "".join(other.stderr), "".join(other.stderr)
+                assert (rnd["round"], rnd["world"]) == (1, 2), rnd
+                assert "info" in result, result
+                assert result["info"].world_size == 2
+        finally:
+            handler.shutdown()
+            thread.join(10)
+            assert not thread.is_alive()

@@ -186,3 +186,20 @@ class Client:
         """The first change after ``after_revision`` (None: after now) to the key, or to any key
         under it when ``prefix``: (kind, key, value, revision)."""
     def stats(self) -> dict[str, int]: ...
+
+class Heartbeat:
+    """A session-bound key kept fresh from a native thread (no GIL). The constructor clones
+    ``client`` (a session of its own), sets ``key`` to ``f"{value} 1"`` and then, every ``period``
+    seconds, to ``f"{value} {n}"`` with n counting up; each beat also creates ``presence`` (when
+    not empty) with ``value`` if it is missing, so a watcher of it sees no beat. A failed beat
+    is retried next period (a lost connection reconnects: a new session). ``stop()`` ends the
+    thread at once and closes the connection, which deletes the keys on the server (idempotent;
+    the destructor calls it)."""
+
+    def __init__(self, client: Client, key: str, value: str, period: float,
+                 presence: str = "") -> None: ...
+    def beat(self) -> None:
+        """One beat now, on the calling thread (raises as ``Client.set``)."""
+    @property
+    def beats(self) -> int: ...
+    def stop(self) -> None: ...

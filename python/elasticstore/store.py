@@ -374,6 +374,14 @@ class Store(dist.Store):
         )
         return WatchEvent(kind, name, value, version)
 
+    def keep_fresh(self, key: str, value: str, period: float, presence: str = "") -> _C.Heartbeat:
+        """Binds ``key`` to a new connection of its own and sets it to ``f"{value} {n}"`` now
+        (n = 1) and every ``period`` seconds after (n counting up), from a native thread that
+        never takes the GIL; each beat also creates ``presence`` (when given, on the same
+        session) with ``value`` if it is missing. ``stop()`` on the result ends the beats and
+        the session, and so both keys."""
+        return _C.Heartbeat(self._conn(), key, value, period, presence)
+
     def ping(self) -> None:
         self._conn().ping()
 

@@ -194,7 +194,12 @@ class Agent:
             except BaseException as exc:
                 result["error"] = exc
             finally:
-                done_w.send(b"x")
+                try:
+                    done_w.send(b"x")
+                except OSError:
+                    pass  # the agent stopped waiting (a signal): nobody reads the result
+                finally:
+                    done_w.close()
 
         thread = threading.Thread(target=target, name="rendezvous", daemon=True)
         self._rdzv_thread = thread
@@ -216,8 +221,6 @@ class Agent:
             return 1
         finally:
             done_r.close()
-            if not thread.is_alive():
-                done_w.close()
 
     def _attempt(self) -> int:
         rnd = getattr(self.handler, "round", None)

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import StoreTimeoutError
 from ..store import WatchEvent
 
-__all__ = ["StoreBackend"]
+__all__ = ["KeepFresh", "StoreBackend"]
+
+
+class KeepFresh(Protocol):
+    """A key kept fresh by :meth:`StoreBackend.keep_fresh`."""
+
+    def beat(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class StoreBackend(ABC):
@@ -72,6 +80,12 @@ class StoreBackend(ABC):
             return event
         except StoreTimeoutError:
             return None
+
+    def keep_fresh(self, key: str, value: str, period: float, presence: str) -> KeepFresh:
+        """Sets ``key`` (bound to a session of its own) to ``value`` plus a count now and every
+        ``period`` seconds after, until ``stop()``, and creates ``presence`` on that session
+        when it is missing; for a backend with ``needs_heartbeat``."""
+        raise NotImplementedError(f"{self.name}: its store ends silent sessions itself")
 
     def close(self) -> None:
         self.store.close()

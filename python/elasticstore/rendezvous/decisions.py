@@ -14,7 +14,7 @@ from .state import RoundState, node_sort_key
 
 __all__ = [
     "Complete", "Signal", "View", "Wait", "Action", "Role", "decide", "order_nodes", "role_in",
-    "update_min_since",
+    "late_message", "update_min_since",
 ]
 
 
@@ -118,3 +118,22 @@ def role_in(state: RoundState, node: str) -> Role:
 def waiting_count(restart_value: bytes | None) -> int:
     """``num_nodes_waiting`` from the round's restart signal: positive once it is set."""
     return 0 if restart_value is None else 1
+
+
+def late_message(run_id: str, target: int, join_timeout: float, min_nodes: int, max_nodes: int,
+                 joined: list[str], alive: list[str], prev: RoundState | None) -> str:
+    """Why round ``target`` did not form within ``join_timeout``: who joined, who is missing."""
+    joined, alive = sorted(joined), sorted(alive)
+    expected = sorted(set(prev.participants) - set(joined)) if prev else []
+
+    def names(nodes: list[str]) -> str:
+        shown = ", ".join(nodes[:16]) or "none"
+        return shown + (f", ... ({len(nodes) - 16} more)" if len(nodes) > 16 else "")
+
+    return (
+        f"rendezvous {run_id!r}: round {target} did not form within join_timeout="
+        f"{join_timeout:g}s (nnodes {min_nodes}:{max_nodes}); joined: "
+        f"{names(joined)} ({len(joined)}); missing: "
+        f"{max(0, min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
+        f"round's nodes not back: {names(expected)}; live nodes: {names(alive)}"
+    )

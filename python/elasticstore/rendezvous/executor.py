@@ -3,7 +3,7 @@
 ``Decider`` watches the run's keys (O(n) events, on one node only), feeds
 :func:`decisions.decide` and writes the round record once with compare-and-set.
 ``RingWatcher`` (one per participant, on its own connection) watches the successor's liveness
-key and sets ``ctl/restart/R`` when it vanishes. ``DeciderCheck`` (a waiting node, on a store
+key and sets ``ctl/restart/R`` when it vanishes. ``await_round`` is a waiting node's loop. ``DeciderCheck`` (a waiting node, on a store
 that keeps silent sessions open) removes a decider that went silent, so another takes over.
 """
 
@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
@@ -23,9 +24,11 @@ from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
 
-__all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher"]
+__all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher", "await_round"]
 
 log = logging.getLogger(__name__)
+
+_UNWATCHED_POLL = 30.0  # s: a ring watcher's watch bound where no beat is judged (etcd)
 
 
 def _names(keys: list[str]) -> set[str]:
@@ -119,8 +122,9 @@ class Decider:
 
 class RingWatcher:
     """Watches ``successor``'s liveness key; sets ``ctl/restart/{rnd}`` when it vanishes, or
-    (``silent_after``: a backend whose store does not end silent sessions) when it was not
-    refreshed for that long: the key is then deleted, so the next decider does not wait for it."""
+    (``silent_after``: a backend whose store does not end silent sessions) when its beat count
+    did not change for that long: the key is then deleted, so the next decider does not wait
+    for it."""
 
     def __init__(self, backend: StoreBackend, keys: Keys, rnd: int, successor: str,
                  silent_after: float | None = None) -> None:
@@ -133,25 +137,34 @@ class RingWatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        b, key = self._b, self._k.alive(self._succ)
+        b, key, beat = self._b, self._k.alive(self._succ), self._k.beat(self._succ)
+        silent_after = self._silent_after
         try:
             rev = b.revision()
             reason = "lost"
             if b.get(key) is not None:
-                last = time.monotonic()
+                # The liveness key changes only when the node goes (no event per beat): its
+                # beat count is read every silent_after/2 instead, and judged unchanged only
+                # between two reads silent_after apart (a late read never makes it silent).
+                poll = _UNWATCHED_POLL if silent_after is None else silent_after / 2
+                seen = b.get(beat) if silent_after is not None else None
+                since = time.monotonic()
                 while not self._stop.is_set():
-                    event = b.watch(key, rev, 1.0)
-                    now = time.monotonic()
+                    event = b.watch(key, rev, poll)
                     if event is not None:
                         rev = event.version
-                        if event.key != key:
-                            continue
-                        if event.kind == "delete":
+                        if event.key == key and event.kind == "delete":
                             break
-                        last = now
-                    elif self._silent_after is not None and now - last > self._silent_after:
+                        continue
+                    if silent_after is None:
+                        continue
+                    value, now = b.get(beat), time.monotonic()
+                    if value != seen:
+                        seen, since = value, now
+                    elif now - since >= silent_after:
                         reason = "silent"
                         b.delete(key)
+                        b.delete(beat)
                         break
             if not self._stop.is_set():
                 log.info("round %d: %s %s", self._rnd, reason, self._succ)
@@ -180,34 +193,53 @@ class DeciderCheck:
     silent session open (native: the decider's session-bound ``ctl/decider/T`` would outlive a
     SIGSTOP, a partition or a power loss, and the others would wait until ``join_timeout``).
 
-    Every ``ttl/4`` seconds (:meth:`due`), :meth:`check` reads who decides and that node's
-    liveness key, which its heartbeat rewrites every ``ttl/3`` with a new value. Unchanged (or
-    missing) for ``ttl`` seconds: the decider is silent, as a ring watcher would judge it; its
-    join, liveness and decider keys are deleted (the decider key last), and the waiting nodes,
-    told by that delete, race to take its place. Two reads per check, while waiting only."""
+    One waiting node checks: the one that created the session-bound ``ctl/check/T`` (the others
+    claim it again, :meth:`claim`, when its delete comes as an event), so a thousand waiting
+    nodes cost the store and their process no more than one. Every ``ttl/4`` seconds
+    (:meth:`due`), :meth:`check` reads who decides and that node's beat count, which its
+    heartbeat rewrites every ``ttl/3``. Unchanged (or missing) for ``ttl`` seconds: the decider
+    is silent, as a ring watcher would judge it; its join, liveness and decider keys are
+    deleted (the decider key last), and the waiting nodes, told by that delete, race to take
+    its place. Only a silent decider is replaced: a late check (a busy process) reads a count
+    that moved on."""
 
-    def __init__(self, backend: StoreBackend, keys: Keys, target: int, ttl: float) -> None:
-        self._b, self._k, self._target, self._ttl = backend, keys, target, ttl
+    def __init__(self, backend: StoreBackend, keys: Keys, target: int, ttl: float,
+                 node: str) -> None:
+        self._b, self._k, self._target, self._ttl, self._node = backend, keys, target, ttl, node
         self._period = ttl / 4
-        self._next = time.monotonic() + self._period
-        self._seen: tuple[bytes | None, bytes | None] | None = None  # (decider, its alive value)
+        self._next = 0.0
+        self._seen: tuple[bytes | None, bytes | None] | None = None  # (decider, its beat count)
         self._since = 0.0
+        self._mine = False
+        self.claim()
 
-    def due(self) -> float:
-        """Seconds until the next check."""
-        return max(0.0, self._next - time.monotonic())
+    def claim(self) -> None:
+        """Becomes the round's checker unless another node is."""
+        if not self._mine:
+            self._mine = self._b.create(self._k.check(self._target), self._node, ephemeral=True)
+            self._next = time.monotonic() + self._period
+
+    def release(self) -> None:
+        """Leaves the check to another waiting node (this one decides, or stops waiting)."""
+        if self._mine:
+            self._mine = False
+            self._b.delete(self._k.check(self._target))
+
+    def due(self) -> float | None:
+        """Seconds until the next check; None when another node checks."""
+        return max(0.0, self._next - time.monotonic()) if self._mine else None
 
     def check(self) -> bool:
         """True when a silent decider was removed (a no-op before the next check is due)."""
         now = time.monotonic()
-        if now < self._next:
+        if not self._mine or now < self._next:
             return False
         self._next = now + self._period
         decider = self._b.get(self._k.decider(self._target))
         if decider is None:
             return False  # gone already: the waiting nodes see its delete
         node = decider.decode()
-        seen = (decider, self._b.get(self._k.alive(node)))
+        seen = (decider, self._b.get(self._k.beat(node)))
         if seen != self._seen:
             self._seen, self._since = seen, now
             return False
@@ -217,41 +249,73 @@ class DeciderCheck:
                     self._target, node, now - self._since, self._ttl)
         self._b.delete(self._k.join(self._target, node))
         self._b.delete(self._k.alive(node))
+        self._b.delete(self._k.beat(node))
         if self._b.get(self._k.decider(self._target)) == decider:  # not replaced meanwhile
             self._b.delete(self._k.decider(self._target))
         self._seen = None
         return True
 
 
-class Heartbeat:
-    """Keeps ``key`` (bound to this connection's session) fresh every ``period`` seconds, for a
-    store that does not end silent sessions; the ring watchers time out a node whose key stopped
-    changing. A timer on its own connection and thread: a busy main thread does not delay it."""
+def await_round(backend: StoreBackend, keys: Keys, target: int, check: DeciderCheck | None,
+                check_late: Callable[[], None], deadline: float,
+                on_closed: Callable[[bytes], NoReturn]) -> RoundState | None:
+    """A waiting node: watches ``ctl/`` until round ``target`` (or later) is written; None when
+    its decider left before writing it. ``check_late`` raises past ``deadline``; ``check``
+    (when given) removes a silent decider."""
 
-    def __init__(self, backend: StoreBackend, key: str, value: str, period: float) -> None:
-        self._b, self._key, self._value, self._period = backend, key, value, period
-        self._beats = 0  # in the value: a waiting node sees the key change (DeciderCheck)
-        self._stop = threading.Event()
-        self.beat()  # the key exists before the constructor returns
-        self._thread = threading.Thread(target=self._run, name="rdzv-heartbeat", daemon=True)
-        self._thread.start()
+    def read_round() -> RoundState | None:
+        data = backend.get(keys.round)
+        return None if data is None else RoundState.from_json(data)
+
+    while True:
+        rev = backend.revision()
+        state = read_round()
+        if state is not None and state.round >= target:
+            return state
+        if backend.get(keys.decider(target)) is None:
+            return None
+        while True:
+            check_late()
+            wait = deadline - time.monotonic()
+            due = None if check is None else check.due()
+            try:
+                event = backend.watch(keys.ctl, rev, wait if due is None else min(wait, due))
+            except WatchCompactedError:
+                break  # re-read
+            if check is not None:
+                check.check()  # its delete of the decider key comes as an event
+            if event is None:
+                continue  # the deadline check raises
+            rev = event.version
+            if event.key == keys.round:
+                state = RoundState.from_json(event.value) if event.kind == "set" else None
+                if state is not None and state.round >= target:
+                    return state
+            elif event.key == keys.decider(target) and event.kind == "delete":
+                state = read_round()
+                return state if state is not None and state.round >= target else None
+            elif event.key == keys.closed and event.kind == "set":
+                on_closed(event.value)
+            elif event.key == keys.check(target) and event.kind == "delete" and check:
+                check.claim()  # the node that checked the decider left
+
+
+class Heartbeat:
+    """Keeps a node's liveness key and its beat count (bound to a session of their own) fresh
+    every ``period`` seconds, for a store that does not end silent sessions; the ring watchers
+    and ``DeciderCheck`` time out a node whose count stopped changing. The beats come from a
+    native thread that never takes the GIL: a busy interpreter (a thousand agents' threads in
+    one process) does not delay them, while a stopped or cut-off process stops them."""
+
+    def __init__(self, backend: StoreBackend, keys: Keys, node: str, value: str,
+                 period: float) -> None:
+        # The count goes to beat/R/{node}, outside the decider's prefix (no event per beat for
+        # it); alive/{node} is created on the same session and then left alone.
+        self._beat = backend.keep_fresh(keys.beat(node), value, period, keys.alive(node))
 
     def beat(self) -> None:
-        self._beats += 1
-        self._b.set(self._key, f"{self._value} {self._beats}", ephemeral=True)
+        self._beat.beat()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                self.beat()
-            except Exception as exc:  # retried next period; a lost store is reported elsewhere
-                log.debug("heartbeat of %s: %s", self._key, exc)
-
-    def stop(self, delete: bool) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        try:
-            if delete:
-                self._b.delete(self._key)
-        finally:
-            self._b.close()
+    def stop(self) -> None:
+        """Stops beating at once; closing its session deletes the key."""
+        self._beat.stop()

@@ -16,7 +16,6 @@ import itertools
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,13 +32,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ..errors import StoreNetworkError, WatchCompactedError
+from ..errors import StoreNetworkError
 from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
 from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
-from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
+from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import RoundReplaced, await_boot, host_worker_store, local_addr
@@ -67,14 +66,15 @@ class ElasticRendezvousHandler(RendezvousHandler):
         self._heartbeat: Heartbeat | None = None
         self._worker_server: StoreServer | None = None
         self._worker_store: Store | None = None
-        self._lock = threading.Lock()
         self._stop_seen: str | None = None  # the run's closing reason, once a watch saw it
+        self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
+        self._shut = False  # shutdown() was called: a join in progress gives up
         with self._guard():
             if backend.needs_heartbeat:
                 # The liveness key is bound to the heartbeat's own connection and refreshed
                 # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
-                self._heartbeat = Heartbeat(backend.clone(), self._keys.alive(self._node),
-                                            self._addr, settings.lease_ttl / 3)
+                self._heartbeat = Heartbeat(backend, self._keys, self._node, self._addr,
+                                            settings.lease_ttl / 3)
                 self._alive = True
             else:
                 self._ensure_alive()
@@ -105,6 +105,24 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return self._round
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._joining += 1
+        error: BaseException | None = None
+        try:
+            info = self._next_rendezvous()
+            if not self._shut:
+                return info
+        except BaseException as exc:
+            if not self._shut:
+                raise
+            error = exc
+        finally:
+            self._joining -= 1
+        self._leave_round(withdraw=False)  # a round entered meanwhile: its store, its server
+        raise RendezvousConnectionError(
+            f"rendezvous {self._settings.run_id!r}: node {self._node} was shut down while "
+            "joining") from error
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         start = time.monotonic()
         deadline = start + self._settings.join_timeout
         with self._guard():
@@ -225,26 +243,38 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return self._worker_server is not None or getattr(self._backend, "server", None) is not None
 
     def shutdown(self) -> bool:
-        """Withdraws this node only (its keys go; the rendezvous stays open for the others)."""
+        """Withdraws this node only (its keys go; the rendezvous stays open for the others).
+
+        At once while another thread waits in ``next_rendezvous`` (an agent that got a signal):
+        that wait blocks on this node's connection, so the connection is closed first, which
+        ends the wait (``next_rendezvous`` raises) and, with the session, this node's
+        session-bound keys; nothing is left to delete."""
+        self._shut = True
+        joining = self._joining > 0
+        if joining:
+            self._close_connections()
         try:
             try:
-                self._leave_round()
+                self._leave_round(withdraw=not joining)
             finally:  # no thread of this node outlives it, whatever failed
                 heartbeat, self._heartbeat = self._heartbeat, None
                 if heartbeat is not None:
-                    heartbeat.stop(delete=True)
-            if self._alive:
+                    heartbeat.stop()  # its session ends: the liveness key goes
+            if self._alive and heartbeat is None and not joining:
                 self._backend.delete(self._keys.alive(self._node))
-                self._alive = False
+            self._alive = False
             return True
         except Exception as exc:  # the store may be gone with its host: nothing left to undo
             log.warning("rendezvous shutdown of %s: %s", self._node, exc)
             return False
         finally:
-            spare, self._spare = self._spare, None
-            if spare is not None:
-                spare.close()
-            self._backend.close()
+            self._close_connections()
+
+    def _close_connections(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+        self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -304,58 +334,25 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """Watches ``ctl/`` until round ``target`` (or later) is written; None when its decider
         left before writing it (the caller then tries to take its place)."""
         keys, backend = self._keys, self._backend
-        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl)
+        check = (DeciderCheck(backend, keys, target, self._settings.lease_ttl, self._node)
                  if backend.needs_heartbeat else None)  # etcd: its lease ends a silent one
-        while True:
-            rev = backend.revision()
-            state = self._read_round()
-            if state is not None and state.round >= target:
-                return state
-            if backend.get(keys.decider(target)) is None:
-                return None
-            while True:
-                self._check_closed_or_late(deadline, target)
-                wait = deadline - time.monotonic()
-                try:
-                    event = backend.watch(keys.ctl, rev, wait if check is None else
-                                          min(wait, check.due()))
-                except WatchCompactedError:
-                    break  # re-read
-                if check is not None:
-                    check.check()  # its delete of the decider key comes as an event
-                if event is None:
-                    continue  # the deadline check raises
-                rev = event.version
-                if event.key == keys.round:
-                    state = RoundState.from_json(event.value) if event.kind == "set" else None
-                    if state is not None and state.round >= target:
-                        return state
-                elif event.key == keys.decider(target) and event.kind == "delete":
-                    state = self._read_round()
-                    return state if state is not None and state.round >= target else None
-                elif event.key == keys.closed and event.kind == "set":
-                    self._closed_error(event.value)
+        try:
+            return await_round(backend, keys, target, check,
+                               lambda: self._check_closed_or_late(deadline, target),
+                               deadline, self._closed_error)
+        finally:
+            if check is not None:
+                check.release()
 
     def _check_closed_or_late(self, deadline: float, target: int) -> None:
         if time.monotonic() < deadline:
             return
-        joined = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.join_prefix(target)))
-        alive = sorted(k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.alive_prefix))
-        prev = self._read_round()
-        expected = sorted(set(prev.participants) - set(joined)) if prev else []
+        joined = [k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.join_prefix(target))]
+        alive = [k.rsplit("/", 1)[1] for k in self._backend.list(self._keys.alive_prefix)]
         s = self._settings
-
-        def names(nodes: list[str]) -> str:
-            shown = ", ".join(nodes[:16]) or "none"
-            return shown + (f", ... ({len(nodes) - 16} more)" if len(nodes) > 16 else "")
-
-        raise RendezvousTimeoutError(
-            f"rendezvous {s.run_id!r}: round {target} did not form within join_timeout="
-            f"{s.join_timeout:g}s (nnodes {s.min_nodes}:{s.max_nodes}); joined: "
-            f"{names(joined)} ({len(joined)}); missing: "
-            f"{max(0, s.min_nodes - len(joined))} more node(s) to reach min_nodes, previous "
-            f"round's nodes not back: {names(expected)}; live nodes: {names(alive)}"
-        )
+        raise RendezvousTimeoutError(decisions.late_message(
+            s.run_id, target, s.join_timeout, s.min_nodes, s.max_nodes, joined, alive,
+            self._read_round()))
 
     # -- a round ----------------------------------------------------------------------------------
 
@@ -385,9 +382,10 @@ class ElasticRendezvousHandler(RendezvousHandler):
             store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)
         )
 
-    def _leave_round(self) -> None:
-        """Stops the ring watcher and closes the round's worker store; then deletes the join key,
-        which raises when the rendezvous store is gone (nothing else is skipped then)."""
+    def _leave_round(self, withdraw: bool = True) -> None:
+        """Stops the ring watcher and closes the round's worker store; then (``withdraw``)
+        deletes the join key, which raises when the rendezvous store is gone (nothing else is
+        skipped then)."""
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
@@ -398,5 +396,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         if server is not None:
             server.close()
         self._round = None
-        self._drop_join()
+        if withdraw:
+            self._drop_join()
+        else:
+            self._joined = None  # session-bound: gone with the closed connection
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 from ..errors import StoreNetworkError
 from ..server import StoreServer
 from ..store import Store
-from .backend import StoreBackend
+from .backend import KeepFresh, StoreBackend
 from .settings import RendezvousSettings, numeric_host
 
 __all__ = ["NativeBackend", "create_native_backend"]
@@ -41,6 +41,9 @@ class NativeBackend(StoreBackend):
 
     def clone(self) -> NativeBackend:
         return NativeBackend(self.store.clone(), self.endpoint)
+
+    def keep_fresh(self, key: str, value: str, period: float, presence: str) -> KeepFresh:
+        return self.store.keep_fresh(key, value, period, presence)
 
     def close(self) -> None:
         try:

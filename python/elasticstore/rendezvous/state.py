@@ -8,12 +8,14 @@ Keys of run ``R`` (relative to the backend's store)::
     rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten)
     rdzv/R/ctl/restart/{T}    round T must be replaced (a participant was lost, a node waits)
     rdzv/R/ctl/boot/{T}       "addr:port" of round T's worker store (hosted by its rank 0)
+    rdzv/R/ctl/check/{T}      session-bound: the waiting node that checks T's decider (native)
     rdzv/R/ctl/closed         the job is closed (JSON ``{"reason": ...}``, or ``1``)
     status/R/node/{node}      an agent's status (JSON), for ``elasticstore status``
     status/R/failure          the last failure's root cause (JSON)
+    beat/R/{node}             native: the node's heartbeat count, on its liveness key's session
 
-Status keys live outside ``rdzv/R/``: the decider watches that prefix, and status writes must not
-cost it events.
+Status and heartbeat keys live outside ``rdzv/R/``: the decider watches that prefix, and status
+writes and beats must not cost it events.
 
 Waiting nodes watch ``ctl/`` only: O(1) events per node per round.
 """
@@ -129,6 +131,7 @@ class Keys:
         self.status_prefix = f"status/{run_id}/"
         self.status_nodes = self.status_prefix + "node/"
         self.failure = self.status_prefix + "failure"
+        self.beat_prefix = f"beat/{run_id}/"
 
     def alive(self, node: str) -> str:
         return self.alive_prefix + node
@@ -147,3 +150,9 @@ class Keys:
 
     def boot(self, rnd: int) -> str:
         return f"{self.ctl}boot/{rnd}"
+
+    def beat(self, node: str) -> str:
+        return self.beat_prefix + node
+
+    def check(self, target: int) -> str:
+        return f"{self.ctl}check/{target}"
