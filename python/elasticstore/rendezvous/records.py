@@ -54,7 +54,7 @@ def parse_record(data: bytes | str, what: str) -> Any:
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordError(f"{what}: {len(raw)} bytes, more than the {MAX_RECORD_BYTES} a record "
                           "may have")
-    if _depth(raw) > MAX_RECORD_DEPTH:
+    if raw.count(b"[") + raw.count(b"{") > MAX_RECORD_DEPTH and _depth(raw) > MAX_RECORD_DEPTH:
         raise RecordError(f"{what}: nested deeper than {MAX_RECORD_DEPTH} levels")
     try:
         return json.loads(raw)
