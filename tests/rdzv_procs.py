@@ -67,6 +67,12 @@ class Agent:
             if event["ev"] == "error" and ev != "error":
                 raise AssertionError(f"{self.addr}: {event}; stderr:\n{''.join(self.stderr)[-3000:]}")
 
+    def go(self) -> None:
+        """Lets a gated agent go on (one line on its stdin)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
     def release(self) -> None:
         """Lets an agent in "stay" mode shut down."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -121,9 +127,7 @@ class Agents:
         if before_go is not None:
             before_go()
         for agent in started:
-            assert agent.proc.stdin is not None
-            agent.proc.stdin.write("go\n")
-            agent.proc.stdin.flush()
+            agent.go()
         return started
 
     def __enter__(self) -> Agents:

@@ -129,11 +129,14 @@ def silent_node_dropped_within_the_lease_and_taken_back(agents: Make) -> None:
 
 def failed_workers_rejoin_brings_the_others(agents: Make) -> None:
     """A node whose workers failed re-joins at once (torch's agent restarts them): the others
-    are told (num_nodes_waiting > 0) and the same nodes form the next round with the same ranks."""
+    are told (num_nodes_waiting > 0) and the same nodes form the next round with the same ranks.
+    It re-joins once every node is in the first round (a round replaced before a node could use
+    it is skipped by that node: see ``round_replaced_before_a_slow_node_connects``)."""
     with agents(1, 3) as group:
         nodes = group.start_together([f"127.0.0.{i}" for i in (2, 3, 4)], rounds=2,
                                      per={"127.0.0.3": {"rejoin_at_once": True}})
         first = [n.expect("round") for n in nodes]
+        nodes[1].go()
         for n in (nodes[0], nodes[2]):
             n.expect("waiting", 20)
         second = [n.expect("round", 30) for n in nodes]

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import NoReturn
 
 from torch.distributed import Store as TorchStore
@@ -42,7 +41,8 @@ from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
-from .worker_store import RoundReplaced, await_boot, host_worker_store, local_addr
+from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
+                           local_addr)
 
 __all__ = ["ElasticRendezvousHandler", "RoundWatch"]
 
@@ -376,10 +376,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         else:
             boot = await_boot(backend, keys, state.round, deadline)
         host, port = parse_endpoint(boot)
-        self._worker_store = Store(
-            host, port, timeout=timedelta(seconds=self._settings.store_timeout),
-            token=self._settings.store_token,
-        )
+        self._worker_store = connect_worker_store(backend, keys, state.round, host, port,
+                                                  self._settings.store_timeout,
+                                                  self._settings.store_token, deadline)
         store: TorchStore = self._worker_store
         return RendezvousInfo(
             store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)
