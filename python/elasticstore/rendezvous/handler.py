@@ -37,7 +37,7 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
-from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
+from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint, wait_alone
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
@@ -145,6 +145,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
         with self._guard():
             self._backend.set(self._keys.closed, b"1")
 
+    def set_finished(self) -> None:
+        """Closes the run as finished (this node's workers succeeded) unless it is closed: its
+        run id is refused until ``elasticstore forget``, and the others read that a peer finished."""
+        with self._guard():
+            self._backend.create(self._keys.closed, json.dumps({"reason": FINISHED}))
+
     def closed_reason(self) -> str | None:
         """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
         None when it is open or closed without a reason. Once this node saw the run closed (in
@@ -162,10 +168,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
         reason = closed_reason_of(closed)
         if reason is not None:
             self._stop_seen = reason
+        why = (" (finished: a job with this run id already succeeded)" if reason == FINISHED
+               else f" ({reason})" if reason else "")
         raise RendezvousClosedError(
-            f"rendezvous {self._settings.run_id!r} is closed" + (f" ({reason})" if reason else "")
-            + "; " + forget_hint(self._backend.name, self._backend.endpoint, self._settings.run_id,
-                                self._settings.etcd_prefix))
+            f"rendezvous {self._settings.run_id!r} is closed{why}; " + forget_hint(
+                self._backend.name, self._backend.endpoint, self._settings.run_id,
+                self._settings.etcd_prefix))
 
     def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
         """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
@@ -282,11 +290,16 @@ class ElasticRendezvousHandler(RendezvousHandler):
         try:
             for _ in range(100_000):
                 if self._backend.create(self._keys.decider(target), self._node, ephemeral=True):
-                    return Decider(
-                        backend=self._backend, keys=self._keys, settings=self._settings,
-                        target=target, deadline=deadline,
-                        on_deadline=lambda: self._check_closed_or_late(deadline, target),
-                    ).run()
+                    try:
+                        return Decider(
+                            backend=self._backend, keys=self._keys, settings=self._settings,
+                            target=target, deadline=deadline,
+                            on_deadline=lambda: self._check_closed_or_late(deadline, target),
+                        ).run()
+                    except RendezvousClosedError:  # closed while deciding: say why
+                        if (closed := self._backend.get(self._keys.closed)) is not None:
+                            self._closed_error(closed)
+                        raise
                 state = self._await_round(target, deadline)
                 if state is not None:
                     return state
