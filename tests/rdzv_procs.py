@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+READY_WITHIN = 120.0  # s for an agent process to import torch and make its handler (a loaded host)
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rdzv_agent.py")
 
 
@@ -123,7 +124,7 @@ class Agents:
         per = per or {}
         started = [self.start(a, **{"gate": True, **overrides, **per.get(a, {})}) for a in addrs]
         for agent in started:
-            agent.expect("ready", 60)
+            agent.expect("ready", READY_WITHIN)
         if before_go is not None:
             before_go()
         for agent in started:

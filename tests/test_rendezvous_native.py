@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rdzv_procs import Agents  # noqa: E402
+from rdzv_procs import READY_WITHIN, Agents  # noqa: E402
 from rdzv_scenarios import SCENARIOS  # noqa: E402
 
 import elasticstore  # noqa: E402
@@ -68,7 +68,7 @@ def test_silent_decider_is_replaced_within_the_lease(agents: Callable[..., Agent
         host, port = group.common["endpoint"].rsplit(":", 1)
         with elasticstore.Store(host, int(port)) as store:
             first = group.start("127.0.0.2")  # alone: it decides round 1 and waits for a second
-            first.expect("ready", 60)
+            first.expect("ready", READY_WITHIN)
             deadline = time.monotonic() + 30
             while store.try_get("rdzv/job/ctl/decider/1") is None:
                 assert time.monotonic() < deadline, "the first node did not become the decider"
@@ -98,9 +98,10 @@ def test_round_replaced_before_a_slow_node_connects(agents: Callable[..., Agents
         with elasticstore.Store(host, int(port)) as store:
             slow = group.start("127.0.0.3", rounds=2, gate=True)  # rank 1: not the store host
             third = group.start("127.0.0.4", gate=True)  # for round 2 (min 2)
-            slow.expect("ready", 60)
-            third.expect("ready", 60)
+            slow.expect("ready", READY_WITHIN)
+            third.expect("ready", READY_WITHIN)
             fast = group.start("127.0.0.2", rounds=2)  # decides round 1
+            fast.expect("ready", READY_WITHIN)
             deadline = time.monotonic() + 60
             while not (store.try_get("rdzv/job/ctl/decider/1") or b"").startswith(b"127.0.0.2-"):
                 assert time.monotonic() < deadline, "127.0.0.2 did not become the decider"
