@@ -21,8 +21,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-attempt", type=int, default=None, help="fail in this attempt only")
     p.add_argument("--child", action="store_true", help="start a child process that sleeps")
     p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--exit-delay", type=float, default=0.0,
+                   help="seconds to linger after training (this node's workers finish later)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # the legacy launcher
     p.add_argument("--init-method", default=None, help="e.g. tcp://localhost:PORT (else env://)")
     args = p.parse_args()
@@ -43,7 +46,7 @@ def main() -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(info, f)
     os.replace(path + ".tmp", path)
-    if rank == args.fail_rank:
+    if rank == args.fail_rank and args.fail_attempt in (None, attempt):
         raise RuntimeError(f"rank {rank} fails on purpose")
 
     import torch
@@ -66,6 +69,7 @@ def main() -> None:
             break
         time.sleep(0.05)
     dist.destroy_process_group()
+    time.sleep(args.exit_delay)
     print(f"rank {rank} done at world size {info['world']}", flush=True)
 
 

@@ -1,7 +1,8 @@
 """A simulated rendezvous node for the tests (one process; its own loopback address).
 
 Usage: ``python rdzv_agent.py JSON`` with keys backend, endpoint, run_id, min, max, addr, conf,
-rounds (how many rounds to take part in), after ("stay": wait for stdin to close, then shut
+rounds (how many rounds to take part in), rejoin_at_once (join the next round at once; gated
+agents first wait for a line on stdin), after ("stay": wait for stdin to close, then shut
 down; "shutdown": shut down at once; "close": set_closed then shut down), put (a key to set in
 each round's worker store). Prints one JSON line per event: ``round``, ``waiting``, ``error``,
 ``done``. Between rounds it checks ``num_nodes_waiting()`` every 10 ms, as torch's agent does.
@@ -45,6 +46,8 @@ def main() -> None:
             if n + 1 == cfg.get("rounds", 1):
                 break
             if cfg.get("rejoin_at_once"):  # as torch's agent after its workers failed
+                if cfg.get("gate"):  # once told (every node is in the round: workers started)
+                    sys.stdin.readline()
                 continue
             deadline = time.monotonic() + 60
             while handler.num_nodes_waiting() == 0:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+READY_WITHIN = 120.0  # s for an agent process to import torch and make its handler (a loaded host)
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rdzv_agent.py")
 
 
@@ -67,6 +68,12 @@ class Agent:
             if event["ev"] == "error" and ev != "error":
                 raise AssertionError(f"{self.addr}: {event}; stderr:\n{''.join(self.stderr)[-3000:]}")
 
+    def go(self) -> None:
+        """Lets a gated agent go on (one line on its stdin)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
     def release(self) -> None:
         """Lets an agent in "stay" mode shut down."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -117,13 +124,11 @@ class Agents:
         per = per or {}
         started = [self.start(a, **{"gate": True, **overrides, **per.get(a, {})}) for a in addrs]
         for agent in started:
-            agent.expect("ready", 60)
+            agent.expect("ready", READY_WITHIN)
         if before_go is not None:
             before_go()
         for agent in started:
-            assert agent.proc.stdin is not None
-            agent.proc.stdin.write("go\n")
-            agent.proc.stdin.flush()
+            agent.go()
         return started
 
     def __enter__(self) -> Agents:

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rdzv_procs import Agents  # noqa: E402
+from rdzv_procs import READY_WITHIN, Agents  # noqa: E402
 from rdzv_scenarios import SCENARIOS  # noqa: E402
 
 import elasticstore  # noqa: E402
@@ -71,7 +71,7 @@ def test_silent_decider_is_replaced_within_the_lease(agents: Callable[..., Agent
         host, port = group.common["endpoint"].rsplit(":", 1)
         with elasticstore.Store(host, int(port)) as store:
             first = group.start("127.0.0.2")  # alone: it decides round 1 and waits for a second
-            first.expect("ready", 60)
+            first.expect("ready", READY_WITHIN)
             deadline = time.monotonic() + 30
             while store.try_get("rdzv/job/ctl/decider/1") is None:
                 assert time.monotonic() < deadline, "the first node did not become the decider"
@@ -157,3 +157,40 @@ def test_busy_decider_is_not_replaced(agents: Callable[..., Agents]) -> None:
             handler.shutdown()
             thread.join(10)
             assert not thread.is_alive()
+
+
+def test_round_replaced_before_a_slow_node_connects(agents: Callable[..., Agents]) -> None:
+    """A participant that reaches its round only after the round's worker store host was lost
+    (here: frozen while the round formed, the host SIGKILLed meanwhile) learns that the round was
+    replaced and takes the next one, within seconds: not after retrying the dead worker store
+    for store_timeout (60 s), past its join_timeout."""
+    with agents(2, 3, last_call_timeout=2) as group:
+        host, port = group.common["endpoint"].rsplit(":", 1)
+        with elasticstore.Store(host, int(port)) as store:
+            slow = group.start("127.0.0.3", rounds=2, gate=True)  # rank 1: not the store host
+            third = group.start("127.0.0.4", gate=True)  # for round 2 (min 2)
+            slow.expect("ready", READY_WITHIN)
+            third.expect("ready", READY_WITHIN)
+            fast = group.start("127.0.0.2", rounds=2)  # decides round 1
+            fast.expect("ready", READY_WITHIN)
+            deadline = time.monotonic() + 60
+            while not (store.try_get("rdzv/job/ctl/decider/1") or b"").startswith(b"127.0.0.2-"):
+                assert time.monotonic() < deadline, "127.0.0.2 did not become the decider"
+                time.sleep(0.01)
+            slow.go()
+            while len(store.list_keys("rdzv/job/join/1/")) < 2:  # the last call (2 s) runs
+                assert time.monotonic() < deadline, "127.0.0.3 did not join round 1"
+                time.sleep(0.01)
+            slow.freeze()
+            try:
+                first = fast.expect("round", 30)
+                assert (first["round"], first["world"]) == (1, 2)
+                fast.kill()  # the round's worker store goes with it
+            finally:
+                slow.thaw()
+            thawed = time.monotonic()
+            third.go()
+            got = slow.expect("round", 25)  # its first round event: round 1 was replaced
+            print(f"slow node -> next round {time.monotonic() - thawed:.2f}s after it went on")
+            assert (got["round"], got["world"], got["rank"]) == (2, 2, 0)
+            assert third.expect("round", 25)["round"] == 2

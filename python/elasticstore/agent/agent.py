@@ -9,8 +9,10 @@ from the fork server), the round must be replaced (a thread blocked in the handl
   rendezvous again; each such failure spends one of ``max_restarts``.
 - The round ended elsewhere (a node lost or waiting, a failure on another node): stop the local
   group and rendezvous again, without spending the budget.
-- Every worker succeeded: exit at once; an agent hosting a store first serves until every
-  participant finished (at most ``drain_timeout``, and it says so).
+- Every worker succeeded: close the run as finished (its run id is refused from then on), exit
+  at once; an agent hosting a store first serves until every participant finished (at most
+  ``drain_timeout``, and it says so). A node whose round ends while a peer finished keeps
+  waiting for its own workers: a finished peer is never taken for a lost one.
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
 - The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
   SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0; an agent hosting the
@@ -35,6 +37,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from ..rendezvous.closing import FINISHED
 from ..rendezvous.records import int_field, parse_record
 from . import drain
 from .config import AgentSettings
@@ -85,6 +88,7 @@ class Agent:
         self._shut = False
         self._operator_stopped = False
         self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
+        self._refused = False  # the run id had finished before this node's first round
         self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
             settings.log_dir, settings.run_id, settings.host, handler, metrics, self.s.nproc, clock,
@@ -112,14 +116,17 @@ class Agent:
                     say(f"[elasticstore-run] {exc}")
                 code = self._operator_stop()
             else:
-                say(f"[elasticstore-run] {type(exc).__name__}: {exc}")
+                self._refused = self._rounds == 0 and self._run_finished()
+                say(f"[elasticstore-run] {exc}" if self._refused else
+                    f"[elasticstore-run] {type(exc).__name__}: {exc}")
                 code = 1
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
             # The last status while the rendezvous connection is still ours (and no rendezvous
             # thread, interrupted by a signal, still uses it).
-            if not self._shut and not (self._rdzv_thread and self._rdzv_thread.is_alive()):
+            if not self._shut and not self._refused and not (
+                    self._rdzv_thread and self._rdzv_thread.is_alive()):
                 self.events.publish(state=self._verdict(code))
                 if self._closing:  # the others must still read why the run closed
                     drain.serve_until_left(self.handler, self.s.drain_timeout, self._signalled)
@@ -316,8 +323,9 @@ class Agent:
                             return self._failed("the fork server died", None)
                         if obj is wake_r:
                             sel.unregister(wake_r)
-                            if drain.peers_done(info, attempt, self.s.token_file):
-                                continue  # they finished: only our workers are left to finish
+                            if self._run_finished() or drain.peers_done(info, attempt,
+                                                                        self.s.token_file):
+                                continue  # a peer finished: only our workers are left to finish
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
                         self._group.collect(worker, sel)
@@ -360,6 +368,7 @@ class Agent:
     # -- the end ------------------------------------------------------------------------------
 
     def _finish(self, info: RendezvousInfo, attempt: int) -> None:
+        drain.mark_finished(self.handler)  # first: a peer whose round ends now reads it
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
         self.events.publish(state="succeeded")
         drain.finish(info, attempt, self.handler, self.s.drain_timeout, self._clock,
@@ -402,14 +411,23 @@ class Agent:
     def _verdict(self, code: int) -> str:
         if self._operator_stopped:
             return "stopped by operator"
+        if self._refused:
+            return "refused (the run id finished before)"
         return "succeeded" if code == 0 else f"failed (exit code {code})"
 
-    def _stopped_by_operator(self) -> bool:
+    def _closed_reason(self) -> str | None:
         reason = getattr(self.handler, "closed_reason", None)
         try:
-            return reason is not None and reason() == "stopped by operator"
+            return None if reason is None else reason()  # type: ignore[no-any-return]
         except Exception:
-            return False
+            return None
+
+    def _stopped_by_operator(self) -> bool:
+        return self._closed_reason() == "stopped by operator"
+
+    def _run_finished(self) -> bool:
+        """A node of the run finished (its workers succeeded): the run is closed as finished."""
+        return self._closed_reason() == FINISHED
 
     def _operator_stop(self) -> int:
         say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")

@@ -21,7 +21,8 @@ from .._token import read_token_file
 from ..store import Store
 from .logs import say
 
-__all__ = ["PEER_CHECK_TIMEOUT", "WAIT_SLICE", "finish", "peers_done", "serve_until_left"]
+__all__ = ["PEER_CHECK_TIMEOUT", "WAIT_SLICE", "finish", "mark_finished", "peers_done",
+           "serve_until_left"]
 
 PEER_CHECK_TIMEOUT = 0.5  # seconds: asking the round's store whether a peer finished
 WAIT_SLICE = 1.0  # seconds: the longest single wait between checks for a signal
@@ -43,12 +44,25 @@ def peers_done(info: RendezvousInfo, attempt: int, token_file: str | None) -> bo
         return False
 
 
+def mark_finished(handler: RendezvousHandler) -> None:
+    """Closes the run as finished (this node's workers succeeded): a peer whose round ends from
+    now on reads that, and the run id is refused until ``elasticstore forget``."""
+    set_finished = getattr(handler, "set_finished", None)
+    if set_finished is not None:
+        try:
+            set_finished()
+        except Exception as exc:
+            say(f"[elasticstore-run] could not mark the run finished: {exc}")
+
+
 def finish(info: RendezvousInfo, attempt: int, handler: RendezvousHandler, drain_timeout: float,
            clock: Callable[[], float], interrupted: Callable[[], bool],
            leave: Callable[[], None]) -> None:
     """Marks this node done (before it leaves, so the others never take its leaving for a lost
-    node); a store host serves until every other node is done and has left. ``leave()`` withdraws
-    this node from the rendezvous (a node that hosts nothing does so before its last mark)."""
+    node); a store host serves until every other node is done. Every node but rank 0 (the host
+    of the round's store) then marks that it left the round's store, and rank 0 serves it until
+    all did: a node that waits there never finds it gone. ``leave()`` withdraws this node from
+    the rendezvous (a node that hosts nothing does so before its last mark)."""
     prefix = f"elasticstore/agent/{attempt}/"
     hosts = bool(getattr(handler, "hosts_store", info.rank == 0))
     try:
@@ -69,8 +83,14 @@ def finish(info: RendezvousInfo, attempt: int, handler: RendezvousHandler, drain
     deadline = clock() + drain_timeout
     done = [prefix + f"done/{i}" for i in range(info.world_size)]
     if _wait_keys(info.store, done, deadline, clock, interrupted):
-        marks = info.store.multi_get(done)
-        left = [prefix + f"left/{i}" for i, m in enumerate(marks) if m == b"node"]
+        if info.rank != 0:  # the rendezvous host: rank 0 serves the round's store until it read
+            try:
+                info.store.set(prefix + f"left/{info.rank}", "1")
+            except Exception:
+                pass  # rank 0 stopped serving already
+            return
+        # Rank 0 serves the round's store: until every other node read what it waits for there.
+        left = [prefix + f"left/{i}" for i in range(1, info.world_size)]
         if _wait_keys(info.store, left, deadline, clock, interrupted):
             return
     say("[elasticstore-run] stopped serving: not every node finished in time")

@@ -2,8 +2,9 @@
 (``RoundWatch``), the reason a run was closed (``closed_reason_of``, ``stop_reason_of``) and, for
 the node that hosts the rendezvous server, serving until the other nodes left (``wait_alone``).
 
-The closed record is ``{"reason": ...}`` (``elasticstore stop`` writes "stopped by operator") or
-``1``. ``elasticstore stop`` also ends the current round with a restart record that carries the
+The closed record is ``{"reason": ...}`` (``elasticstore stop`` writes "stopped by operator"; an
+agent whose workers all succeeded writes "finished", so the run id of a finished job is refused
+until ``elasticstore forget``) or ``1`` (the restarts spent). ``elasticstore stop`` also ends the current round with a restart record that carries the
 same reason under ``closed``: a node learns that the run closed from the very event that wakes
 it, with no second read that could find the store gone (its host may have left already).
 """
@@ -18,11 +19,12 @@ from ..errors import WatchCompactedError
 from .backend import StoreBackend
 from .records import parse_json
 
-__all__ = ["WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
+__all__ = ["FINISHED", "WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
            "stop_reason_of", "wait_alone"]
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
 WAIT_SLICE = 1.0  # seconds: the longest single watch while serving until the others left
+FINISHED = "finished"  # the closing reason of a run whose workers succeeded
 
 
 def closed_reason_of(data: bytes | None) -> str | None:

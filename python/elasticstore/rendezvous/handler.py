@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import NoReturn
 
 from torch.distributed import Store as TorchStore
@@ -37,11 +36,12 @@ from ..server import StoreServer
 from ..store import Store
 from . import decisions
 from .backend import StoreBackend
-from .closing import RoundWatch, closed_reason_of, forget_hint, wait_alone
+from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint, wait_alone
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
-from .worker_store import RoundReplaced, await_boot, host_worker_store, local_addr
+from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
+                           local_addr)
 
 __all__ = ["ElasticRendezvousHandler", "RoundWatch"]
 
@@ -163,6 +163,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
         with self._guard():
             self._backend.set(self._keys.closed, b"1")
 
+    def set_finished(self) -> None:
+        """Closes the run as finished (this node's workers succeeded) unless it is closed: its
+        run id is refused until ``elasticstore forget``, and the others read that a peer finished."""
+        with self._guard():
+            self._backend.create(self._keys.closed, json.dumps({"reason": FINISHED}))
+
     def closed_reason(self) -> str | None:
         """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
         None when it is open or closed without a reason. Once this node saw the run closed (in
@@ -180,10 +186,12 @@ class ElasticRendezvousHandler(RendezvousHandler):
         reason = closed_reason_of(closed)
         if reason is not None:
             self._stop_seen = reason
+        why = (" (finished: a job with this run id already succeeded)" if reason == FINISHED
+               else f" ({reason})" if reason else "")
         raise RendezvousClosedError(
-            f"rendezvous {self._settings.run_id!r} is closed" + (f" ({reason})" if reason else "")
-            + "; " + forget_hint(self._backend.name, self._backend.endpoint, self._settings.run_id,
-                                self._settings.etcd_prefix))
+            f"rendezvous {self._settings.run_id!r} is closed{why}; " + forget_hint(
+                self._backend.name, self._backend.endpoint, self._settings.run_id,
+                self._settings.etcd_prefix))
 
     def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
         """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
@@ -312,11 +320,16 @@ class ElasticRendezvousHandler(RendezvousHandler):
         try:
             for _ in range(100_000):
                 if self._backend.create(self._keys.decider(target), self._node, ephemeral=True):
-                    return Decider(
-                        backend=self._backend, keys=self._keys, settings=self._settings,
-                        target=target, deadline=deadline,
-                        on_deadline=lambda: self._check_closed_or_late(deadline, target),
-                    ).run()
+                    try:
+                        return Decider(
+                            backend=self._backend, keys=self._keys, settings=self._settings,
+                            target=target, deadline=deadline,
+                            on_deadline=lambda: self._check_closed_or_late(deadline, target),
+                        ).run()
+                    except RendezvousClosedError:  # closed while deciding: say why
+                        if (closed := self._backend.get(self._keys.closed)) is not None:
+                            self._closed_error(closed)
+                        raise
                 state = self._await_round(target, deadline)
                 if state is not None:
                     return state
@@ -373,10 +386,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         else:
             boot = await_boot(backend, keys, state.round, deadline)
         host, port = parse_endpoint(boot)
-        self._worker_store = Store(
-            host, port, timeout=timedelta(seconds=self._settings.store_timeout),
-            token=self._settings.store_token,
-        )
+        self._worker_store = connect_worker_store(backend, keys, state.round, host, port,
+                                                  self._settings.store_timeout,
+                                                  self._settings.store_token, deadline)
         store: TorchStore = self._worker_store
         return RendezvousInfo(
             store, rank, state.world_size, RendezvousStoreInfo(host.strip("[]"), port)

@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import socket
 import time
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-from ..errors import WatchCompactedError
+from ..errors import AuthenticationError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
 from ..server import StoreServer
+from ..store import Store
 from .backend import StoreBackend
 from .settings import RendezvousSettings, numeric_host
 from .state import Keys, NodeId, RoundState
 
-__all__ = ["RoundReplaced", "await_boot", "host_worker_store", "local_addr", "member_addrs"]
+__all__ = ["RECONNECT", "RoundReplaced", "await_boot", "connect_worker_store", "host_worker_store",
+           "local_addr", "member_addrs"]
+
+# Seconds one connection attempt to a round's worker store may take (reconnects included): its
+# host closes it as soon as the round is replaced, and a node must learn that, not retry for
+# store_timeout.
+RECONNECT = 3.0
 
 
 class RoundReplaced(Exception):
@@ -86,3 +94,26 @@ def await_boot(backend: StoreBackend, keys: Keys, rnd: int, deadline: float) -> 
             break
     raise RendezvousTimeoutError(
         f"round {rnd}: rank 0 did not publish the worker store within join_timeout")
+
+
+def connect_worker_store(backend: StoreBackend, keys: Keys, rnd: int, host: str, port: int,
+                         timeout: float, token: str | None, deadline: float) -> Store:
+    """A connection to round ``rnd``'s worker store at ``host:port``. Retried (``RECONNECT`` s
+    a try) until ``deadline``; raises ``RoundReplaced`` when a try failed and the round ended
+    meanwhile: its host closed the store on leaving it."""
+    for _ in range(1 << 20):
+        left = deadline - time.monotonic()
+        try:
+            return Store(host, port, timeout=timedelta(seconds=timeout),
+                         connect_timeout=timedelta(seconds=max(0.001, min(RECONNECT, left))),
+                         token=token)
+        except AuthenticationError:
+            raise
+        except (StoreNetworkError, StoreTimeoutError) as exc:
+            if backend.get(keys.restart(rnd)) is not None:
+                raise RoundReplaced() from None
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(
+                    f"round {rnd}: the worker store at {host}:{port} did not answer within "
+                    f"join_timeout: {exc}") from None
+    raise RendezvousTimeoutError(f"round {rnd}: could not connect to the worker store")
