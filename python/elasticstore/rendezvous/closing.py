@@ -4,9 +4,10 @@ the node that hosts the rendezvous server, serving until the other nodes left (`
 
 The closed record is ``{"reason": ...}`` (``elasticstore stop`` writes "stopped by operator"; an
 agent whose workers all succeeded writes "finished", so the run id of a finished job is refused
-until ``elasticstore forget``) or ``1`` (the restarts spent). ``elasticstore stop`` also ends the current round with a restart record that carries the
-same reason under ``closed``: a node learns that the run closed from the very event that wakes
-it, with no second read that could find the store gone (its host may have left already).
+until ``elasticstore forget``) or ``1`` (the restarts spent). ``elasticstore stop`` also ends the
+current round with a restart record that carries the same reason under ``closed``: a node learns
+that the run closed from the very event that wakes it, with no second read that could find the
+store gone (its host may have left already).
 """
 
 from __future__ import annotations
