@@ -183,6 +183,17 @@ class Cluster:
             return f.read()[-3000:]
         return ""
 
+    def report(self) -> str:
+        """Each member's state (serving, or its exit status) and its log's tail: what a test
+        that lost the cluster adds to its failure message."""
+        lines = []
+        for member in self.members:
+            code = None if member.proc is None else member.proc.poll()
+            state = "running" if member.proc is not None and code is None else f"exited {code}"
+            lines.append(f"etcd {member.name} at {member.endpoint}: {state}; log tail:\n"
+                         f"{self.log_tail(member)}")
+        return "\n".join(lines)
+
     def stop(self) -> None:
         for member in self.members:
             member.kill()

@@ -66,7 +66,10 @@ def _rendezvous_server(backend: str, n: netfaults.Node) -> Iterator[tuple[str, s
     with etcd_cluster.running(1) as cluster:
         host, port = cluster.endpoints[0].rsplit(":", 1)
         with netfaults.DelayRelay(n.root_addr, (host, int(port)), 0.0, 0.0) as relay:
-            yield cluster.endpoints[0], relay.address
+            try:
+                yield cluster.endpoints[0], relay.address
+            except AssertionError as exc:  # an agent lost etcd: say what became of it
+                raise AssertionError(f"{exc}\n{cluster.report()}") from None
 
 
 @pytest.mark.parametrize("backend", ["elasticstore", "elasticstore-etcd"])
