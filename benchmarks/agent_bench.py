@@ -1,6 +1,6 @@
 """elasticstore-run against torchrun 2.13, same script, same run, real processes on loopback.
 
-Scenarios (2 simulated nodes on 127.0.0.2/127.0.0.3, 2 gloo workers each, ``tests/agent_train.py``):
+Scenarios (2 simulated nodes on 127.0.0.2/127.0.0.3, 2 gloo workers each, ``tests/helpers/programs/agent_train.py``):
 
 - ``cold``: both launchers started -> all 4 workers past ``init_process_group``;
 - ``worker-kill``: rank 3 SIGKILLed -> all 4 workers of the new round past ``init_process_group``;
@@ -27,9 +27,9 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
-from agent_procs import Agents, assert_gone, free_port, until  # noqa: E402
+from agent_nodes import Agents, assert_gone, free_port, until  # noqa: E402
 
 PEERS = ("elasticstore-run", "torchrun", "torchrun-noshare")
 LIMIT = float(os.environ.get("AGENT_BENCH_LIMIT", "90"))  # seconds before "did not recover"

@@ -7,7 +7,7 @@ latency percentiles and the server's peak RSS.
 
 Raises RLIMIT_NOFILE for itself and the server. One asyncio loop drives every connection (raw
 sockets, the native protocol), so on a small machine the client, not the server, is the limit.
-``tests/test_load.py`` runs a smaller configuration of the same code.
+``tests/stores/test_load.py`` runs a smaller configuration of the same code.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ world size, ``--rdzv-backend=elasticstore`` against ``--rdzv-backend=c10d`` in t
     python benchmarks/rendezvous_torchrun.py [--backends elasticstore,c10d] [--limit 120]
 
 Two nodes (127.0.0.2 hosts the rendezvous, 127.0.0.3 is killed), ``--nnodes=1:2``, 2 gloo
-workers each (``tests/rdzv_train.py``), ``--monitor-interval=0.1``; both backends get
+workers each (``tests/helpers/programs/rdzv_train.py``), ``--monitor-interval=0.1``; both backends get
 ``last_call_timeout=1`` (torch accepts only integers). Every process is killed by its
 process group at the end.
 """
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "tests", "rdzv_train.py")
+TRAIN = os.path.join(ROOT, "tests", "helpers", "programs", "rdzv_train.py")
 
 
 def _free_port(host: str) -> int:

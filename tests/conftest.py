@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The helper modules (tests/helpers) import by bare name, in every group of tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 import store_kinds  # noqa: E402
 from store_kinds import KINDS, Opened  # noqa: E402

@@ -2,7 +2,7 @@
 
 The decider of round T (one node, holder of ``ctl/decider/T``) feeds :func:`decide` the live
 nodes, the live joiners of T and the previous round; the executor in ``handler.py`` applies the
-action it returns. Tested as a table in ``tests/test_rendezvous_decisions.py``.
+action it returns. Tested as a table in ``tests/rendezvous/test_rendezvous_decisions.py``.
 """
 
 from __future__ import annotations

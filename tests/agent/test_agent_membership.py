@@ -1,0 +1,89 @@
+"""--nnodes 1:3: a third node is taken in at the next round; an agent SIGKILLed with its
+workers -> its workers are gone within a second and the survivors finish at the smaller size."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+from agent_nodes import agents, assert_gone, free_port, node_flags, until
+
+pytestmark = pytest.mark.slow
+
+CONF = ["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1"]
+
+
+def _world_ready(a: object, world: int, after: float = 0.0) -> int | None:
+    """An attempt whose ``world`` workers are all past init_process_group."""
+    starts = a.starts()  # type: ignore[attr-defined]
+    for att in sorted({s["attempt"] for s in starts if s["world"] == world}, reverse=True):
+        inits = a.inits(att)  # type: ignore[attr-defined]
+        if len(inits) == world and min(inits.values()) >= after:
+            return att
+    return None
+
+
+def test_scale_up_then_node_lost(tmp_path: object) -> None:
+    port = free_port()
+    with agents(str(tmp_path)) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "1:3", 1, *CONF), name="n1")
+        n2 = a.start(node_flags("127.0.0.3", port, "1:3", 1, *CONF), name="n2")
+        until(lambda: _world_ready(a, 2) is not None, 120, "2 nodes running")
+        t_new = time.time()
+        n3 = a.start(node_flags("127.0.0.4", port, "1:3", 1, *CONF), name="n3")
+        until(lambda: _world_ready(a, 3) is not None, 120, "the third node taken in")
+        att3 = _world_ready(a, 3)
+        assert att3 is not None
+        print(f"new node started -> 3 workers past init_process_group: "
+              f"{max(a.inits(att3).values()) - t_new:.3f}s (includes its cold start)")
+        n2_workers = [s["pid"] for s in a.starts() if s["world"] == 3 and s["env"]["GROUP_RANK"] == "1"]
+        assert len(n2_workers) == 1
+        killed_at = time.time()
+        os.kill(n2.pid, signal.SIGKILL)
+        gone = assert_gone(n2_workers, 1.0)
+        print(f"agent SIGKILL -> its workers gone in {gone:.3f}s")
+        until(lambda: _world_ready(a, 2, killed_at) is not None, 60, "survivors at world size 2")
+        att = _world_ready(a, 2, killed_at)
+        assert att is not None
+        print(f"node lost -> survivors past init_process_group at world size 2: "
+              f"{max(a.inits(att).values()) - killed_at:.3f}s (last_call_timeout 1s)")
+        a.release()
+        for proc in (n1, n3):
+            assert a.wait(proc, 60) == 0, a.output(proc)
+        out = a.output(n1) + a.output(n3)
+        assert "world size 2" in out and "no restart spent" in out
+        assert "restart 1/1" not in out  # membership changes never spend the budget
+
+
+def _joined(port: int, round_: int = 1) -> bool:
+    """Whether a node waits in round ``round_`` of run ``job`` (its join key is there)."""
+    from elasticstore import Store, StoreNetworkError
+
+    try:
+        with Store("127.0.0.2", port, timeout=timedelta(seconds=5)) as store:
+            return bool(store.list_keys(f"rdzv/job/join/{round_}/"))
+    except StoreNetworkError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_while_waiting_for_a_second_node_exits_at_once(tmp_path: object, sig: int) -> None:
+    """An agent waiting in the rendezvous for a node that never comes (its own join timeout far
+    off) stops within seconds of SIGINT/SIGTERM, with no traceback."""
+    port = free_port()
+    with agents(str(tmp_path)) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "2", 1, "--rdzv-conf", "join_timeout=120"),
+                     name="n1")
+        until(lambda: _joined(port), 120, "the agent waiting in round 1")
+        sent = time.monotonic()
+        n1.send_signal(sig)
+        code = a.wait(n1, 60)
+        took = time.monotonic() - sent
+        out = a.output(n1)
+        print(f"{signal.Signals(sig).name} in the rendezvous -> agent exited in {took:.2f}s")
+        assert code == 128 + sig, out
+        assert "Traceback" not in out and "Error" not in out.split("in the rendezvous", 1)[-1], out
+        assert took < 5.0, out

@@ -1,0 +1,157 @@
+"""Agents as real processes for the agent tests: each simulated node on its own 127.0.0.x, its
+own session (so a test can kill an agent alone), cleaned up by pid; helpers to wait on the files
+``agent_train.py`` writes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from paths import program
+
+TRAIN = program("agent_train.py")
+
+
+def free_port(host: str = "127.0.0.2") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Agents:
+    def __init__(self, workdir: str) -> None:
+        self.dir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, flags: list[str], script_args: list[str] | None = None, name: str = "agent",
+              env: dict[str, str] | None = None, script: str = TRAIN,
+              module: str = "elasticstore.run", stdin: int | None = None) -> subprocess.Popen[bytes]:
+        out = open(os.path.join(self.dir, f"{name}.out"), "wb")
+        args = ["--dir", self.dir] if script_args is None else script_args
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *flags, script, *args], stdout=out, stderr=subprocess.STDOUT,
+            stdin=stdin,
+            start_new_session=True, env=dict(os.environ, **(env or {})), cwd=self.dir,
+        )
+        out.close()
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def output(self, proc: subprocess.Popen[bytes]) -> str:
+        with open(os.path.join(self.dir, f"{proc.name}.out"), errors="replace") as f:  # type: ignore[attr-defined]
+            return f.read()
+
+    def wait(self, proc: subprocess.Popen[bytes], timeout: float) -> int:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{proc.name} still running after {timeout}s:\n{self.output(proc)}") from None  # type: ignore[attr-defined]
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(30)
+        assert_gone(self.all_pids(), 5.0)
+
+    def cleanup_quiet(self) -> None:
+        """Kills the agents and every recorded worker and child (torchrun leaves its workers
+        running when its agent is SIGKILLed)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(30)
+        for pid in self.all_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def starts(self) -> list[dict[str, Any]]:
+        found = []
+        for path in glob.glob(os.path.join(self.dir, "start-*.json")):
+            with open(path) as f:
+                found.append(json.load(f))
+        return found
+
+    def all_pids(self) -> list[int]:
+        pids = []
+        for s in self.starts():
+            pids.append(s["pid"])
+            if "child" in s:
+                pids.append(s["child"])
+        return pids
+
+    def inits(self, attempt: int | None = None) -> dict[int, float]:
+        """rank -> time past init_process_group (of ``attempt``, or of any attempt)."""
+        found = {}
+        for path in glob.glob(os.path.join(self.dir, "init-*")):
+            _, att, rank = os.path.basename(path).split("-")
+            if attempt is None or int(att) == attempt:
+                with open(path) as f:
+                    found[int(rank)] = float(f.read() or 0)
+        return found
+
+    def release(self) -> None:
+        open(os.path.join(self.dir, "release"), "w").close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_gone(pids: list[int], within: float) -> float:
+    """Waits until none of ``pids`` runs; returns how long it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    raise AssertionError(f"processes still running after {within}s: {left}")
+
+
+def until(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextmanager
+def agents(workdir: str) -> Iterator[Agents]:
+    a = Agents(workdir)
+    try:
+        yield a
+    finally:
+        a.cleanup()
+
+
+def node_flags(addr: str, port: int, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
+    return ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint",
+            f"127.0.0.2:{port}", "--local-addr", addr, "--rdzv-id", "job", *extra]
