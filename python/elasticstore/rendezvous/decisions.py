@@ -94,13 +94,27 @@ def decide(view: View, min_nodes: int, max_nodes: int, last_call: float) -> Acti
         # Live participants of the previous round were told to come back: wait for them (a
         # dead one's liveness key vanishes and it stops being expected; join_timeout bounds it).
         return Wait(None)
+    if prev is not None and _back_at_once(view, prev, max_nodes):
+        return _complete(view, prev, max_nodes)
     last_call_at = view.min_since + last_call
     if count >= max_nodes or view.now >= last_call_at:
-        order = order_nodes(view.joined, prev)
-        return Complete(
-            RoundState(view.target, tuple(order[:max_nodes]), tuple(order[max_nodes:]))
-        )
+        return _complete(view, prev, max_nodes)
     return Wait(last_call_at)
+
+
+def _back_at_once(view: View, prev: RoundState, max_nodes: int) -> bool:
+    """A round after a loss or a restart forms as soon as every live node of the previous round
+    (participants and standbys) has joined, unless it would be bigger than the previous round:
+    only growth waits for the last call (a node joining later gets a scale-up round)."""
+    previous = set(prev.participants) | set(prev.standby)
+    if not {n for n in previous if n in view.alive} <= view.joined:
+        return False
+    return min(len(view.joined), max_nodes) <= len(prev.participants)
+
+
+def _complete(view: View, prev: RoundState | None, max_nodes: int) -> Complete:
+    order = order_nodes(view.joined, prev)
+    return Complete(RoundState(view.target, tuple(order[:max_nodes]), tuple(order[max_nodes:])))
 
 
 @dataclass(frozen=True)
