@@ -7,13 +7,15 @@ Scenarios (2 simulated nodes on 127.0.0.2/127.0.0.3, 2 gloo workers each, ``test
 - ``node-loss`` (``--nnodes 1:2``): node 2's agent and workers SIGKILLed at once -> node 1's
   workers past ``init_process_group`` at world size 2.
 
-Peers: ``elasticstore-run`` (native rendezvous, warm start), ``torchrun`` (c10d rendezvous, its
-defaults: the rendezvous store shared with the workers) and ``torchrun-noshare``
-(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Both get ``last_call_timeout=1`` (a round below
-``--nnodes`` max completes 1 s after the min joined; both default to 30 s). One sample per cell:
-the scenarios take seconds to tens of seconds each on this machine.
+Peers: ``elasticstore-run`` (native rendezvous, warm start), ``torchrun-plugin`` (torch's own agent
+on ``--rdzv-backend=elasticstore``), ``torchrun`` (c10d rendezvous, its defaults: the rendezvous
+store shared with the workers) and ``torchrun-noshare`` (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
+Every launcher runs with its defaults (``last_call_timeout`` 30 s for all); ``--last-call S`` sets
+it for all of them, to show a tuned figure beside the default one. One sample per cell: the
+scenarios take seconds to tens of seconds each on this machine.
 
     python benchmarks/agent_bench.py [--out benchmarks/results/agent] [--only elasticstore-run]
+        [--last-call 1]
 """
 
 from __future__ import annotations
@@ -31,19 +33,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from agent_nodes import Agents, assert_gone, free_port, until  # noqa: E402
 
-PEERS = ("elasticstore-run", "torchrun", "torchrun-noshare")
+PEERS = ("elasticstore-run", "torchrun-plugin", "torchrun", "torchrun-noshare")
 LIMIT = float(os.environ.get("AGENT_BENCH_LIMIT", "90"))  # seconds before "did not recover"
 
 
-def _start(a: Agents, peer: str, addr: str, port: int, nnodes: str, first: bool) -> Any:
+def _start(a: Agents, peer: str, addr: str, port: int, nnodes: str, first: bool,
+           last_call: float | None) -> Any:
     common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.2:{port}",
               "--rdzv-id", "bench", "--local-addr", addr, "--max-restarts", "3"]
+    conf = [] if last_call is None else [f"last_call_timeout={last_call:g}"]
     if peer == "elasticstore-run":
-        return a.start([*common, "--rdzv-conf", "last_call_timeout=1"], name=addr)
+        return a.start([*common, *(["--rdzv-conf", *conf] if conf else [])], name=addr)
+    if peer == "torchrun-plugin":
+        return a.start(["--rdzv-backend", "elasticstore", *common,
+                        *(["--rdzv-conf", *conf] if conf else [])], name=addr,
+                       module="torch.distributed.run")
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if peer == "torchrun-noshare" else {}
-    conf = f"last_call_timeout=1,is_host={'true' if first else 'false'}"
-    return a.start(["--rdzv-backend", "c10d", *common, "--rdzv-conf", conf], name=addr, env=env,
-                   module="torch.distributed.run")
+    conf.append(f"is_host={'true' if first else 'false'}")
+    return a.start(["--rdzv-backend", "c10d", *common, "--rdzv-conf", ",".join(conf)], name=addr,
+                   env=env, module="torch.distributed.run")
 
 
 def _ready(a: Agents, world: int, after: float) -> int | None:
@@ -55,14 +63,14 @@ def _ready(a: Agents, world: int, after: float) -> int | None:
     return None
 
 
-def scenario(peer: str, kind: str) -> dict[str, Any]:
+def scenario(peer: str, kind: str, last_call: float | None = None) -> dict[str, Any]:
     port = free_port()
     a = Agents(tempfile.mkdtemp(prefix=f"agentbench-{peer}-{kind}-"))
-    result: dict[str, Any] = {"peer": peer, "scenario": kind}
+    result: dict[str, Any] = {"peer": peer, "scenario": kind, "last_call": last_call}
     try:
         nnodes = "1:2" if kind == "node-loss" else "2"
         t0 = time.time()
-        nodes = [_start(a, peer, addr, port, nnodes, i == 0)
+        nodes = [_start(a, peer, addr, port, nnodes, i == 0, last_call)
                  for i, addr in enumerate(("127.0.0.2", "127.0.0.3"))]
         until(lambda: _ready(a, 4, t0) is not None, LIMIT, "cold start")
         result["cold"] = max(a.inits(_ready(a, 4, t0) or 0).values()) - t0
@@ -104,11 +112,13 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "agent"))
     p.add_argument("--only", action="append", choices=PEERS)
     p.add_argument("--scenarios", default="worker-kill,node-loss")
+    p.add_argument("--last-call", type=float, default=None,
+                   help="last_call_timeout for every launcher (default: each launcher's default)")
     args = p.parse_args()
     rows = []
     for kind in args.scenarios.split(","):
         for peer in args.only or PEERS:
-            row = scenario(peer, kind)
+            row = scenario(peer, kind, args.last_call)
             print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
             rows.append(row)
     with open(args.out + ".json", "w") as f:
@@ -122,16 +132,18 @@ def render(rows: list[dict[str, Any]]) -> str:
     def fmt(v: Any) -> str:
         return "—" if v is None else f"{v:.2f} s"
 
-    lines = ["| scenario | launcher | cold start (2x2 past init) | recovery (past init) | vs torchrun-noshare |",
-             "|---|---|---|---|---|"]
-    base = {r["scenario"]: r.get("recovery") for r in rows if r["peer"] == "torchrun-noshare"}
+    lines = ["| scenario | launcher | last call | cold start (2x2 past init) | recovery (past init) "
+             "| vs torchrun (c10d) |", "|---|---|---|---|---|---|"]
+    base = {(r["scenario"], r.get("last_call")): r.get("recovery") for r in rows
+            if r["peer"] == "torchrun"}
     for r in rows:
         ratio = ""
-        b = base.get(r["scenario"])
+        b = base.get((r["scenario"], r.get("last_call")))
         if r.get("recovery") is not None and b:
             ratio = f"{r['recovery'] / b:.2f}x"
         note = f" ({r['note']})" if r.get("note") else ""
-        lines.append(f"| {r['scenario']} | {r['peer']} | {fmt(r.get('cold'))} | "
+        last = "default (30 s)" if r.get("last_call") is None else f"{r['last_call']:g} s"
+        lines.append(f"| {r['scenario']} | {r['peer']} | {last} | {fmt(r.get('cold'))} | "
                      f"{fmt(r.get('recovery'))}{note} | {ratio} |")
     return "\n".join(lines) + "\n"
 
