@@ -58,6 +58,29 @@ def test_scale_up_then_node_lost(tmp_path: object) -> None:
         assert "restart 1/1" not in out  # membership changes never spend the budget
 
 
+def test_node_lost_with_default_settings_reforms_without_the_last_call(tmp_path: object) -> None:
+    """Default ``--rdzv-conf`` (last_call_timeout 30 s): both nodes enter the first round at once
+    (max joined); after one node's agent is SIGKILLed the survivor's workers run again at world
+    size 2 long before the last call could have ended: every live node of the last round was
+    back, so the round formed at once."""
+    port = free_port()
+    with agents(str(tmp_path)) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 2, "--max-restarts", "1"), name="n1")
+        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 2, "--max-restarts", "1"), name="n2")
+        until(lambda: _world_ready(a, 4) is not None, 120, "2 nodes x 2 workers running")
+        killed_at = time.time()
+        os.kill(n2.pid, signal.SIGKILL)
+        until(lambda: _world_ready(a, 2, killed_at) is not None, 60, "the survivor at world size 2")
+        att = _world_ready(a, 2, killed_at)
+        assert att is not None
+        took = max(a.inits(att).values()) - killed_at
+        print(f"node lost -> survivor past init_process_group at world size 2: {took:.3f}s "
+              "(default settings)")
+        assert took < 15.0, f"{took:.1f}s: the round waited as if for the last call (30 s)"
+        a.release()
+        assert a.wait(n1, 60) == 0, a.output(n1)
+
+
 def _joined(port: int, round_: int = 1) -> bool:
     """Whether a node waits in round ``round_`` of run ``job`` (its join key is there)."""
     from elasticstore import Store, StoreNetworkError
