@@ -99,3 +99,10 @@ def test_a_handler_without_elasticstores_parts_is_adapted_once() -> None:
     assert as_agent_rendezvous(adapted, 0.1) is adapted
     members = {m for m in dir(AgentRendezvous) if not m.startswith("_")}
     assert members <= set(dir(ElasticRendezvousHandler))
+
+
+def test_agent_and_rendezvous_modules_stay_small() -> None:
+    long = [f"{p.relative_to(PACKAGE)}: {n}" for d in ("agent", "rendezvous")
+            for p in sorted((PACKAGE / d).glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, long
