@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
+from .rendezvous import registry
 from .server_limits import add_limit_flags, limits_from_args
 
 __all__ = ["main"]
@@ -157,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                      help="the rendezvous store (default: --addr); etcd: comma-separated members")
     job.add_argument("--rdzv-backend", "--rdzv_backend", default="elasticstore",
-                     choices=("elasticstore", "c10d", "etcd", "elasticstore-etcd"))
+                     choices=registry.job_backends())
     job.add_argument("--etcd-prefix", default="/elasticstore/rdzv", help="etcd: key prefix")
     for flag in ("--cacert", "--cert", "--key", "--user", "--password"):
         job.add_argument(flag, default=None, help="etcd: TLS / authentication")
@@ -203,7 +204,7 @@ def _job(args: argparse.Namespace) -> int:
         return 1
     host, port = args.addr
     endpoint = args.rdzv_endpoint or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    addr = JobAddress(endpoint, args.rdzv_id, "etcd" if "etcd" in args.rdzv_backend else "elasticstore",
+    addr = JobAddress(endpoint, args.rdzv_id, registry.backend(args.rdzv_backend).label,
                       args.timeout, args.etcd_prefix, args.cacert, args.cert, args.key, args.user,
                       args.password, _token(args))
     if args.command == "stop":

@@ -8,7 +8,9 @@ without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a
 (``etcd`` is ours on etcd v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
 ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
 process with torch imported; ``spawn`` starts plain processes). Flags not supported yet are
-refused by name. A bad value exits with code 2 and one line naming the flag and the reason.
+refused by name. A bad value exits with code 2 and one line naming the flag and the reason;
+``--rdzv-conf`` is parsed into the rendezvous settings here too (a bad key or value names the
+key), before the banner and before anything starts. Backend names: ``rendezvous/registry.py``.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ from typing import Any
 from ._conf import parse_pairs
 from .agent.config import AgentSettings
 from .agent.logs import parse_std
+from .rendezvous import registry
+from .rendezvous.settings import RendezvousSettings, SettingsError
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
 
-BACKENDS = {"elasticstore": "elasticstore", "etcd": "etcd", "static": "static",
-            "c10d": "elasticstore", "etcd-v2": "etcd", "elasticstore-etcd": "etcd",
-            "elasticstore-static": "static"}
-NOTICES = {"c10d": "--rdzv-backend c10d: running elasticstore's native rendezvous instead",
-           "etcd-v2": "--rdzv-backend etcd-v2: running elasticstore's rendezvous on etcd v3 instead"}
+# Every --rdzv-backend name -> the backend's short name (its label in the registry).
+BACKENDS = {name: registry.backend(name).label for name in registry.names()}
 UNSUPPORTED = ("--logs-specs", "--numa-binding", "--virtual-local-rank",
                "--duplicate-stdout-filters", "--duplicate-stderr-filters")
 
@@ -129,13 +130,18 @@ class RunSettings:
     """Everything the launcher needs, parsed once."""
 
     agent: AgentSettings
-    backend: str  # elasticstore, etcd or static
+    backend: str  # the backend's label: elasticstore, etcd or static
     endpoint: str
     min_nodes: int
     max_nodes: int
     local_addr: str | None
-    rdzv_conf: tuple[tuple[str, str], ...]
+    rdzv_conf: tuple[tuple[str, str], ...]  # --rdzv-conf as given (plus the launcher's keys)
     notices: tuple[str, ...]
+    rendezvous: RendezvousSettings  # rdzv_conf and the flags above, parsed and checked
+
+    @property
+    def backend_row(self) -> registry.Backend:
+        return registry.backend(self.backend)
 
 
 def _int(flag: str, text: str, low: int = 0) -> int:
@@ -182,10 +188,19 @@ def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
         raise UsageError("--rdzv-conf", str(exc)) from None
 
 
-def _token_file(conf: tuple[tuple[str, str], ...]) -> str | None:
-    """``--rdzv-conf token_file`` as an absolute path (checked by the rendezvous settings)."""
-    path = dict(conf).get("token_file")
-    return os.path.abspath(os.path.expanduser(path)) if path else None
+def _rendezvous(row: registry.Backend, run_id: str, endpoint: str, min_nodes: int,
+                max_nodes: int, local_addr: str | None,
+                conf: tuple[tuple[str, str], ...]) -> RendezvousSettings:
+    """The rendezvous settings, parsed once (the torchrun plugin path parses the same way); a
+    bad key or value is a usage error naming the flag and the key."""
+    try:
+        return row.settings(run_id=run_id, endpoint=endpoint, min_nodes=min_nodes,
+                            max_nodes=max_nodes, local_addr=local_addr, config=dict(conf))
+    except SettingsError as exc:
+        reason = str(exc)
+        for prefix in ("rdzv-conf: ", "rdzv-conf ", "rdzv endpoint "):
+            reason = reason.removeprefix(prefix)
+        raise UsageError(exc.flag, reason) from None
 
 
 def _signals(text: str) -> tuple[int, ...]:
@@ -226,11 +241,12 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     notices: list[str] = []
     min_nodes, max_nodes = _nnodes(args.nnodes)
     backend_arg = _default_backend(args, min_nodes, max_nodes)
-    if backend_arg not in BACKENDS:
-        raise UsageError("--rdzv-backend", f"{backend_arg!r}: expected one of elasticstore, etcd, "
-                         "static (c10d and etcd-v2 are accepted too)")
-    if backend_arg in NOTICES:
-        notices.append(NOTICES[backend_arg])
+    try:
+        row = registry.backend(backend_arg)
+    except ValueError as exc:
+        raise UsageError("--rdzv-backend", str(exc)) from None
+    if (notice := row.notice(backend_arg)) is not None:
+        notices.append(notice)
     event_log_handler = str(args.event_log_handler)
     if event_log_handler not in ("null", "console", "dynamic_rendezvous"):
         raise UsageError("--event-log-handler", f"{event_log_handler!r}: expected one of torch's "
@@ -241,7 +257,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         raise UsageError("--metrics-port", f"{metrics_port} is not a port number")
     if args.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
-    backend = BACKENDS[backend_arg]
+    backend = row.label
     nproc = _nproc(args.nproc_per_node)
     conf = _rdzv_conf(args.rdzv_conf)
     endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
@@ -253,7 +269,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
             raise UsageError("--standalone", f"needs --nnodes 1, got {args.nnodes}")
         if args.standalone or run_id == "none":  # --standalone ignores --rdzv-id, as torchrun's
             run_id = uuid.uuid4().hex[:12]
-        backend, endpoint = "elasticstore", f"127.0.0.1:{_free_port('127.0.0.1')}"
+        row = registry.backend("elasticstore")
+        backend, endpoint = row.label, f"127.0.0.1:{_free_port('127.0.0.1')}"
         local_addr, conf = local_addr or "127.0.0.1", (*conf, ("is_host", "1"))
     if backend == "static":
         endpoint = endpoint or f"{args.master_addr}:{master_port}"
@@ -264,6 +281,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         conf = (*conf, ("rank", str(node_rank)))
     elif not endpoint:
         raise UsageError("--rdzv-endpoint", f"required by the {backend} backend for --nnodes {args.nnodes}")
+    rdzv = _rendezvous(row, run_id, endpoint, min_nodes, max_nodes, local_addr, conf)
     extra_env: list[tuple[str, str]] = []
     if "OMP_NUM_THREADS" not in environ and nproc > 1:
         extra_env.append(("OMP_NUM_THREADS", "1"))
@@ -299,24 +317,15 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,
         event_log_handler=event_log_handler, metrics_port=metrics_port,
-        metrics_addr=str(args.metrics_addr), token_file=_token_file(conf),
+        metrics_addr=str(args.metrics_addr), token_file=rdzv.token_file,
     )
-    return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf, tuple(notices))
+    return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
+                       tuple(notices), rdzv)
 
 
 def make_handler(rs: RunSettings) -> Any:
-    """The rendezvous handler for ``rs`` (imports torch: seconds, so only after parsing)."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from .rendezvous import plugin
-
-    params = RendezvousParameters(
-        backend=rs.backend, endpoint=rs.endpoint, run_id=rs.agent.run_id, min_nodes=rs.min_nodes,
-        max_nodes=rs.max_nodes, local_addr=rs.local_addr, **dict(rs.rdzv_conf),
-    )
-    create = {"elasticstore": plugin.create_native_handler, "etcd": plugin.create_etcd_handler,
-              "static": plugin.create_static_handler}[rs.backend]
-    return create(params)
+    """The rendezvous handler for ``rs``, from its parsed settings (imports torch)."""
+    return rs.backend_row.create_handler(rs.rendezvous)
 
 
 def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:

@@ -101,6 +101,47 @@ def test_bad_flag_exits_2_with_one_line() -> None:
         assert len(lines) == 1 and argv[0] in lines[0], proc.stderr
 
 
+@pytest.mark.parametrize(
+    "conf, key, why",
+    [
+        ("join_timeout=soon", "join_timeout", "not a number of seconds"),
+        ("last_call_timeout=-1", "last_call_timeout", "positive"),
+        ("is_host=maybe", "is_host", "not a boolean"),
+        ("bogus_key=1", "bogus_key", "unknown key"),
+        ("protocol=https", "protocol", "needs cacert"),
+        ("token_file=/nonexistent/elasticstore-token", "token_file", "No such file"),
+    ],
+)
+def test_bad_rdzv_conf_is_a_usage_error_naming_the_key(conf: str, key: str, why: str) -> None:
+    with pytest.raises(UsageError, match="^--rdzv-conf: ") as err:
+        parse(["--rdzv-conf", conf, "--nnodes", "2", *EP, "t.py"], {})
+    assert key in str(err.value) and why in str(err.value)
+    with pytest.raises(UsageError, match=f"^--rdzv-conf: .*{key}"):
+        parse(["--nnodes", "2", *EP, "t.py"], {"PET_RDZV_CONF": conf})
+
+
+def test_bad_rdzv_conf_exits_2_before_the_banner() -> None:
+    argv = ["--nnodes", "2", *EP, "--rdzv-conf", "join_timeout=soon", "t.py"]
+    proc = subprocess.run([sys.executable, "-m", "elasticstore.run", *argv],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rdzv-conf" in lines[0] and "join_timeout" in lines[0], proc.stderr
+
+
+def test_rdzv_conf_parsed_into_the_settings_once() -> None:
+    rs = parse(["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1", "--rdzv-conf",
+                "join_timeout=7,is_host=0", "t.py"], {})
+    r = rs.rendezvous
+    assert (r.host, r.port, r.join_timeout, r.is_host, r.min_nodes) == ("10.0.0.1", 29400, 7.0, False, 2)
+    etcd = parse(["--rdzv-backend", "etcd", "--nnodes", "2", "--rdzv-endpoint", "h1:1,h2:2", "t.py"], {})
+    assert (etcd.rendezvous.host, etcd.rendezvous.port, etcd.rendezvous.endpoints) == ("h1", 1, ("h1:1", "h2:2"))
+    assert parse(["--nnodes", "2", "--rdzv-endpoint", "[::1]", "--rdzv-backend", "etcd", "t.py"],
+                 {}).rendezvous.port == 2379
+    static = parse(["--nnodes", "2", "--node-rank", "1", "t.py"], {}).rendezvous
+    assert (static.rank, static.host, static.port) == (1, "127.0.0.1", 29500)
+
+
 def test_legacy_launch_flags() -> None:
     assert parse(["t.py"], {}, legacy=True).agent.legacy_local_rank_arg
     assert not parse(["--use-env", "t.py"], {}, legacy=True).agent.legacy_local_rank_arg

@@ -23,7 +23,6 @@ Every step is an event (``events.py``): events.jsonl, the status record, the met
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -32,13 +31,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
+from ..rendezvous.api import AgentRendezvous, as_agent_rendezvous
 from ..rendezvous.closing import FINISHED
-from ..rendezvous.records import int_field, parse_record
 from . import drain
 from .config import AgentSettings
 from .envs import worker_argv, worker_env
@@ -46,6 +44,7 @@ from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkclient import ForkServer
 from .logs import LogRelay, Std, console_for, open_log, say
+from .rounds import RendezvousCall, assign
 from .roundwatch import RoundWatcher
 from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
 
@@ -54,25 +53,18 @@ __all__ = ["Agent"]
 _SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
 
 
-def _nproc_of(value: bytes, node: int) -> int:
-    """A node's worker count from its record in the round's store (validated: the store is input)."""
-    nproc = int_field(parse_record(value, f"node {node}'s worker count"), "nproc")
-    if nproc is None or nproc < 1:
-        raise ValueError(f"node {node}'s worker count is not a positive integer: {value[:80]!r}")
-    return nproc
-
-
 class Agent:
     def __init__(
         self,
         settings: AgentSettings,
-        handler: RendezvousHandler,
+        handler: RendezvousHandler | AgentRendezvous,
         server_factory: Callable[[bool], ForkServer] = ForkServer,
         clock: Callable[[], float] = time.monotonic,
         metrics: Any = None,
     ) -> None:
         self.s = settings
-        self.handler = handler
+        # Called through the Protocol only; a handler without elasticstore's parts is adapted.
+        self.handler = as_agent_rendezvous(handler, settings.monitor_interval)
         self._server_factory = server_factory
         self._clock = clock
         self._server: ForkServer | None = None
@@ -91,7 +83,7 @@ class Agent:
         self._refused = False  # the run id had finished before this node's first round
         self._rdzv_thread: threading.Thread | None = None
         self.events = EventLog(
-            settings.log_dir, settings.run_id, settings.host, handler, metrics, self.s.nproc, clock,
+            settings.log_dir, settings.run_id, settings.host, self.handler, metrics, self.s.nproc, clock,
             settings.role)
 
     # -- the whole run ------------------------------------------------------------------------
@@ -157,7 +149,7 @@ class Agent:
             self._start(info, attempt, base, world)
             self._say_round(info, base, world, t1 - t0, self._clock() - t1)
             assert self._group is not None
-            self.events.round_formed(getattr(self.handler, "round", None), self._rounds, info.rank,
+            self.events.round_formed(self.handler.round, self._rounds, info.rank,
                                      info.world_size, (base, base + self.s.nproc - 1), world,
                                      t1 - t0, formed_at, self._group.workers)
             outcome, detail = self._watch(info, attempt)
@@ -192,58 +184,19 @@ class Agent:
 
     def _rendezvous(self) -> RendezvousInfo | int:
         """``next_rendezvous`` in a thread, so a signal is handled at once; int: the signal."""
-        result: dict[str, Any] = {}
-        done_r, done_w = socket.socketpair()
-
-        def target() -> None:
-            try:
-                result["info"] = self.handler.next_rendezvous()
-            except BaseException as exc:
-                result["error"] = exc
-            finally:
-                try:
-                    done_w.send(b"x")
-                except OSError:
-                    pass  # the agent stopped waiting (a signal): nobody reads the result
-                finally:
-                    done_w.close()
-
-        thread = threading.Thread(target=target, name="rendezvous", daemon=True)
-        self._rdzv_thread = thread
-        thread.start()
-        try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(done_r, selectors.EVENT_READ)
-                sel.register(self._sig_r, selectors.EVENT_READ)
-                for _ in range(1 << 40):
-                    for key, _ in sel.select():
-                        if key.fileobj is self._sig_r:
-                            sigs = self._sig_r.recv(64)
-                            say(f"[elasticstore-run] got {signal.Signals(sigs[0]).name} in the rendezvous")
-                            return sigs[0]
-                        if "error" in result:
-                            raise result["error"]
-                        info: RendezvousInfo = result["info"]
-                        return info
-            return 1
-        finally:
-            done_r.close()
+        call = RendezvousCall(self.handler)
+        self._rdzv_thread = call.thread
+        return call.wait(self._sig_r)
 
     def _attempt(self) -> int:
-        rnd = getattr(self.handler, "round", None)
+        rnd = self.handler.round
         return rnd.round - 1 if rnd is not None else self._local_attempts
 
     def _assign(self, info: RendezvousInfo) -> tuple[int, int, int]:
-        """(attempt, first global rank here, world size): each node publishes its worker count
-        in the round's store and reads the others' (one set, one wait, one multi_get)."""
+        """(attempt, first global rank here, world size) (``rounds.assign``)."""
         attempt = self._attempt()
         self._local_attempts += 1
-        store, prefix = info.store, f"elasticstore/agent/{attempt}/"
-        store.set(prefix + f"node/{info.rank}", json.dumps({"nproc": self.s.nproc}))
-        keys = [prefix + f"node/{i}" for i in range(info.world_size)]
-        store.wait(keys, timedelta(seconds=300))
-        counts = [_nproc_of(v, node) for node, v in enumerate(store.multi_get(keys))]
-        return attempt, sum(counts[: info.rank]), sum(counts)
+        return (attempt, *assign(info, attempt, self.s.nproc))
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         assert self._server is not None
@@ -295,7 +248,7 @@ class Agent:
         return open_log(self._log_root, parts, f"{stream}.log")
 
     def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
-        rnd = getattr(self.handler, "round", None)
+        rnd = self.handler.round
         members = f" [{', '.join(rnd.participants)}]" if rnd is not None else ""
         number = f" {rnd.round}" if rnd is not None else ""
         say(f"[elasticstore-run] round{number}: {info.world_size} node(s){members}, world size "
@@ -307,7 +260,7 @@ class Agent:
     def _watch(self, info: RendezvousInfo, attempt: int) -> tuple[str, Any]:
         assert self._group is not None and self._server is not None
         wake_r, wake_w = socket.socketpair()
-        watcher = RoundWatcher(self.handler, self.s.monitor_interval, wake_w)
+        watcher = RoundWatcher(self.handler, wake_w)
         try:
             with selectors.DefaultSelector() as sel:
                 self._group.register(sel)
@@ -323,8 +276,7 @@ class Agent:
                             return self._failed("the fork server died", None)
                         if obj is wake_r:
                             sel.unregister(wake_r)
-                            if self._run_finished() or drain.peers_done(info, attempt,
-                                                                        self.s.token_file):
+                            if self._run_finished() or self.handler.peers_done(info, attempt):
                                 continue  # a peer finished: only our workers are left to finish
                             return _ROUND, "the round ended (a node was lost, joined or failed)"
                         worker = key.data
@@ -344,12 +296,10 @@ class Agent:
 
     def _failed(self, what: str, worker: Any) -> tuple[str, Any]:
         ended_elsewhere = self._num_waiting() > 0
-        end_round = getattr(self.handler, "end_round", None)
-        if end_round is not None:
-            try:
-                end_round(f"{what} on {self.s.host}")
-            except Exception as exc:
-                say(f"[elasticstore-run] could not end the round: {exc}")
+        try:
+            self.handler.end_round(f"{what} on {self.s.host}")
+        except Exception as exc:
+            say(f"[elasticstore-run] could not end the round: {exc}")
         if worker is not None:
             if ended_elsewhere:  # the others' failure came first: ours is its consequence
                 return _ROUND, f"{what} after the round ended elsewhere"
@@ -416,9 +366,8 @@ class Agent:
         return "succeeded" if code == 0 else f"failed (exit code {code})"
 
     def _closed_reason(self) -> str | None:
-        reason = getattr(self.handler, "closed_reason", None)
         try:
-            return None if reason is None else reason()  # type: ignore[no-any-return]
+            return self.handler.closed_reason()
         except Exception:
             return None
 

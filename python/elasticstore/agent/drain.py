@@ -5,8 +5,9 @@ rendezvous server or the round's worker store) keeps serving, bounded by ``drain
 - after the run closed (``elasticstore stop``, or the restarts spent), until every other node
   left the rendezvous (``serve_until_left``): they must still read why the run closed.
 
-And, after a round change, whether a peer finished (``peers_done``): its leaving then ended the
-round, and only this node's workers are left to finish.
+(After a round change, whether a peer finished is the handler's ``peers_done``: its leaving then
+ended the round, and only this node's workers are left to finish.) The keys in the round's store
+are ``rendezvous.state.AgentKeys``.
 """
 
 from __future__ import annotations
@@ -15,47 +16,27 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from .._token import read_token_file
-from ..store import Store
+from ..rendezvous.api import AgentRendezvous
+from ..rendezvous.state import AgentKeys
 from .logs import say
 
-__all__ = ["PEER_CHECK_TIMEOUT", "WAIT_SLICE", "finish", "mark_finished", "peers_done",
-           "serve_until_left"]
+__all__ = ["WAIT_SLICE", "finish", "mark_finished", "serve_until_left"]
 
-PEER_CHECK_TIMEOUT = 0.5  # seconds: asking the round's store whether a peer finished
 WAIT_SLICE = 1.0  # seconds: the longest single wait between checks for a signal
 
 
-def peers_done(info: RendezvousInfo, attempt: int, token_file: str | None) -> bool:
-    """Whether another node finished. On a connection of its own with a short deadline: the
-    round's store may have gone with its host."""
-    boot = info.bootstrap_store_info
-    if boot is None:
-        return False
-    prefix, quick = f"elasticstore/agent/{attempt}/done/", timedelta(seconds=PEER_CHECK_TIMEOUT)
-    try:
-        token = read_token_file(token_file) if token_file else None
-        with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick,
-                   token=token) as st:
-            return any(st.try_get(prefix + str(i)) is not None for i in range(info.world_size))
-    except Exception:
-        return False
-
-
-def mark_finished(handler: RendezvousHandler) -> None:
+def mark_finished(handler: AgentRendezvous) -> None:
     """Closes the run as finished (this node's workers succeeded): a peer whose round ends from
     now on reads that, and the run id is refused until ``elasticstore forget``."""
-    set_finished = getattr(handler, "set_finished", None)
-    if set_finished is not None:
-        try:
-            set_finished()
-        except Exception as exc:
-            say(f"[elasticstore-run] could not mark the run finished: {exc}")
+    try:
+        handler.set_finished()
+    except Exception as exc:
+        say(f"[elasticstore-run] could not mark the run finished: {exc}")
 
 
-def finish(info: RendezvousInfo, attempt: int, handler: RendezvousHandler, drain_timeout: float,
+def finish(info: RendezvousInfo, attempt: int, handler: AgentRendezvous, drain_timeout: float,
            clock: Callable[[], float], interrupted: Callable[[], bool],
            leave: Callable[[], None]) -> None:
     """Marks this node done (before it leaves, so the others never take its leaving for a lost
@@ -63,15 +44,15 @@ def finish(info: RendezvousInfo, attempt: int, handler: RendezvousHandler, drain
     of the round's store) then marks that it left the round's store, and rank 0 serves it until
     all did: a node that waits there never finds it gone. ``leave()`` withdraws this node from
     the rendezvous (a node that hosts nothing does so before its last mark)."""
-    prefix = f"elasticstore/agent/{attempt}/"
-    hosts = bool(getattr(handler, "hosts_store", info.rank == 0))
+    keys = AgentKeys(attempt)
+    hosts = handler.hosts_store
     try:
-        info.store.set(prefix + f"done/{info.rank}", "host" if hosts else "node")
+        info.store.set(keys.done(info.rank), "host" if hosts else "node")
         if not hosts:
             store: Any = info.store
             store = store.clone()
             leave()
-            store.set(prefix + f"left/{info.rank}", "1")
+            store.set(keys.left(info.rank), "1")
             return
     except Exception as exc:
         say(f"[elasticstore-run] could not mark this node done: {exc}")
@@ -81,16 +62,16 @@ def finish(info: RendezvousInfo, attempt: int, handler: RendezvousHandler, drain
     say(f"[elasticstore-run] this node hosts a store: serving until all {info.world_size} "
         f"nodes finished (at most {drain_timeout:g}s)")
     deadline = clock() + drain_timeout
-    done = [prefix + f"done/{i}" for i in range(info.world_size)]
+    done = [keys.done(i) for i in range(info.world_size)]
     if _wait_keys(info.store, done, deadline, clock, interrupted):
         if info.rank != 0:  # the rendezvous host: rank 0 serves the round's store until it read
             try:
-                info.store.set(prefix + f"left/{info.rank}", "1")
+                info.store.set(keys.left(info.rank), "1")
             except Exception:
                 pass  # rank 0 stopped serving already
             return
         # Rank 0 serves the round's store: until every other node read what it waits for there.
-        left = [prefix + f"left/{i}" for i in range(1, info.world_size)]
+        left = [keys.left(i) for i in range(1, info.world_size)]
         if _wait_keys(info.store, left, deadline, clock, interrupted):
             return
     say("[elasticstore-run] stopped serving: not every node finished in time")
@@ -111,19 +92,16 @@ def _wait_keys(store: Any, keys: list[str], deadline: float, clock: Callable[[],
     return False
 
 
-def serve_until_left(handler: RendezvousHandler, drain_timeout: float,
+def serve_until_left(handler: AgentRendezvous, drain_timeout: float,
                      interrupted: Callable[[], bool]) -> None:
     """The run closed: a node hosting the rendezvous server serves until the others left."""
-    serve = getattr(handler, "serve_until_left", None)
-    if serve is None:
-        return
 
     def waiting(others: list[str]) -> None:
         say(f"[elasticstore-run] this node hosts the rendezvous store: serving until the other "
             f"{len(others)} node(s) left (at most {drain_timeout:g}s)")
 
     try:
-        still = serve(drain_timeout, interrupted, waiting)
+        still = handler.serve_until_left(drain_timeout, interrupted, waiting)
     except Exception as exc:
         say(f"[elasticstore-run] serving the rendezvous store until the others left: {exc}")
         return

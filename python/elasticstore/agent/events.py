@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..rendezvous.api import AgentRendezvous
 from .logs import open_log, say
 from .workers import Worker, signal_name
 
@@ -35,7 +36,8 @@ class EventLog:
     """Appends events (one ``write`` per line, ``O_APPEND``: agents sharing a log dir never
     interleave mid-line) and publishes the node's status through the handler."""
 
-    def __init__(self, log_dir: str | None, run_id: str, host: str, handler: Any,
+    def __init__(self, log_dir: str | None, run_id: str, host: str,
+                 handler: AgentRendezvous | None,
                  metrics: Any = None, nproc: int = 1, clock: Callable[[], float] = time.monotonic,
                  role: str = "default") -> None:
         self._fd: int | None = None
@@ -48,7 +50,7 @@ class EventLog:
         self.torch_destination: str | None = None  # --event-log-handler (None: "null")
         self._run_id, self._backend, self._role, self._started = "", "", role, clock()
         if handler is not None:
-            self._run_id, self._backend = _call(handler, "get_run_id"), _call(handler, "get_backend")
+            self._run_id, self._backend = _call(handler.get_run_id), _call(handler.get_backend)
         self.status: dict[str, Any] = {"host": host, "state": "starting", "failure_restarts": 0}
         if log_dir:  # <log_dir>/<run_id>/events.jsonl, no symbolic link followed below log_dir
             self._fd = open_log(log_dir, (run_id,), "events.jsonl")
@@ -67,11 +69,10 @@ class EventLog:
     def publish(self, failure: dict[str, Any] | None = None, **status: Any) -> None:
         """Updates this node's status record in the rendezvous store."""
         self.status.update(status)
-        publish = getattr(self._handler, "publish_status", None)
-        if publish is None:
+        if self._handler is None:
             return
         try:
-            publish(dict(self.status), failure)
+            self._handler.publish_status(dict(self.status), failure)
         except Exception as exc:
             self._warn(f"could not publish the status: {exc}")
 
@@ -200,8 +201,8 @@ def route_torch_events(log: EventLog, destination: str) -> None:
     log.torch_destination = destination
 
 
-def _call(handler: Any, name: str) -> str:
+def _call(method: Callable[[], str]) -> str:
     try:
-        return str(getattr(handler, name)())
+        return str(method())
     except Exception:
         return ""

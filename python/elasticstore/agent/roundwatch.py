@@ -1,16 +1,14 @@
 """The round watch: a thread that wakes the agent's wait point once the rendezvous says the
-round must be replaced. With elasticstore's handlers it blocks in ``handler.watch_round()`` (a
-store watch: the news arrives at once); with any other torch handler it asks
-``num_nodes_waiting()`` every ``--monitor-interval``."""
+round must be replaced. It blocks in the handler's ``watch_round()`` watch: with elasticstore's
+handler a store watch (the news arrives at once); with any other handler, adapted by
+``rendezvous.api``, a poll of ``num_nodes_waiting()`` every ``--monitor-interval``."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from typing import Any
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler
-
+from ..rendezvous.api import AgentRendezvous, RoundWatchLike
 from .logs import say
 
 __all__ = ["ROUND_WATCH_SLICE", "RoundWatcher"]
@@ -24,29 +22,22 @@ ROUND_WATCH_SLICE = 60.0
 class RoundWatcher:
     """A thread that writes to ``wake`` once the handler says the round must be replaced."""
 
-    def __init__(self, handler: RendezvousHandler, interval: float, wake: socket.socket) -> None:
-        self._h, self._interval, self._wake = handler, interval, wake
+    def __init__(self, handler: AgentRendezvous, wake: socket.socket) -> None:
+        self._h, self._wake = handler, wake
         self._stop = threading.Event()
-        self._watch: Any = None
+        self._watch: RoundWatchLike | None = None
         self._thread = threading.Thread(target=self._run, name="round-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            watch_round = getattr(self._h, "watch_round", None)
-            if watch_round is None:  # another handler: ask it every monitor interval
-                while not self._stop.wait(self._interval):
-                    if self._h.num_nodes_waiting() > 0:
-                        self._notify()
-                        return
-                return
-            self._watch = watch_round()
-            if self._stop.is_set():
-                self._watch.close()
+            self._watch = watch = self._h.watch_round()
+            if watch is not None and self._stop.is_set():
+                watch.close()
             for _ in range(1 << 40):
-                if self._stop.is_set() or self._watch is None:
+                if self._stop.is_set() or watch is None:
                     return
-                if self._watch.wait(ROUND_WATCH_SLICE):
+                if watch.wait(ROUND_WATCH_SLICE):
                     self._notify()
                     return
         except Exception as exc:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-from ..rendezvous.settings import parse_endpoint
+from ..rendezvous import registry
 from ..rendezvous.state import Keys, RoundState
 
 __all__ = ["STOP_REASON", "JobAddress", "JobNotFound", "connect", "stop_job"]
@@ -28,7 +27,7 @@ class JobNotFound(RuntimeError):
 class JobAddress:
     endpoint: str
     run_id: str
-    backend: str = "elasticstore"  # or "etcd"
+    backend: str = "elasticstore"  # any name of a backend in rendezvous/registry.py
     timeout: float = 10.0
     etcd_prefix: str = "/elasticstore/rdzv"
     cacert: str | None = None
@@ -42,17 +41,7 @@ class JobAddress:
 def connect(addr: JobAddress) -> Any:
     """A store connection to the job's rendezvous store (``Store`` or ``EtcdStore``); raises
     the store's network error within ``addr.timeout`` when nothing answers."""
-    wait = timedelta(seconds=addr.timeout)
-    if addr.backend in ("etcd", "elasticstore-etcd"):
-        from ..etcd_store import EtcdStore
-
-        return EtcdStore(addr.endpoint, prefix=addr.etcd_prefix, timeout=wait, connect_timeout=wait,
-                         ca_cert=addr.cacert, cert=addr.cert, key=addr.key, user=addr.user,
-                         password=addr.password)
-    from ..store import Store
-
-    host, port = parse_endpoint(addr.endpoint)
-    return Store(host.strip("[]"), port, timeout=wait, connect_timeout=wait, token=addr.token)
+    return registry.backend(addr.backend).connect(addr)
 
 
 def read_round(store: Any, keys: Keys) -> RoundState | None:

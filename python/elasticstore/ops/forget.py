@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..rendezvous import registry
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists
 
@@ -72,7 +73,7 @@ def forget_run(addr: JobAddress, force: bool = False) -> int:
     try:
         if not exists(store, keys):
             raise JobNotFound(f"no job {addr.run_id!r} at {addr.endpoint}")
-        if addr.backend in ("etcd", "elasticstore-etcd"):
+        if registry.backend(addr.backend).store_kind == "etcd":
             return _forget_etcd(store, keys, addr, force)
         return _forget_native(store, keys, addr, force)
     finally:

@@ -34,6 +34,7 @@ class StoreBackend(ABC):
     # True when a silent session (no FIN: partition, power loss) is not ended by the store
     # itself: the handler then keeps its liveness key fresh and ring watchers time it out.
     needs_heartbeat: bool = False
+    server: Any = None  # the rendezvous server this backend's process hosts (native), if any
 
     def __init__(self, store: Any, endpoint: str) -> None:
         self.store = store

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import WatchCompactedError
+from . import registry
 from .backend import StoreBackend
 from .records import parse_json
 
@@ -43,8 +44,9 @@ def stop_reason_of(data: bytes | None) -> str | None:
 def forget_hint(backend: str, endpoint: str, run_id: str, etcd_prefix: str = ETCD_PREFIX) -> str:
     """How to reuse a closed run id: the command that removes the run's keys."""
     etcd = ""
-    if "etcd" in backend:
-        etcd = " --rdzv-backend etcd" + (
+    row = registry.backend(backend)
+    if row.store_kind == "etcd":
+        etcd = f" --rdzv-backend {row.label}" + (
             f" --etcd-prefix {etcd_prefix}" if etcd_prefix != ETCD_PREFIX else "")
     return (f"to reuse the run id, remove its keys: elasticstore forget{etcd} --rdzv-endpoint "
             f"{endpoint} --rdzv-id {run_id}")

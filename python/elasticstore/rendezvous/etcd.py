@@ -8,12 +8,15 @@ TTL/3): a dead or cut-off agent's keys vanish within the TTL. Several endpoints,
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backend import StoreBackend
 from .settings import RendezvousSettings
 
-__all__ = ["EtcdBackend", "create_etcd_backend"]
+if TYPE_CHECKING:
+    from .handler import ElasticRendezvousHandler
+
+__all__ = ["EtcdBackend", "create_etcd_backend", "etcd_handler"]
 
 
 class EtcdBackend(StoreBackend):
@@ -40,11 +43,11 @@ class EtcdBackend(StoreBackend):
         return EtcdBackend(self.store.clone(), self.endpoint, self._settings)
 
 
-def create_etcd_backend(settings: RendezvousSettings, endpoints: str) -> EtcdBackend:
+def create_etcd_backend(settings: RendezvousSettings, endpoints: str | None = None) -> EtcdBackend:
+    """The backend on ``endpoints`` (comma-separated members; default: the settings' members)."""
     from ..etcd_store import EtcdStore
 
-    if settings.protocol == "https" and settings.cacert is None:
-        raise ValueError("rdzv-conf protocol=https: needs cacert")
+    endpoints = endpoints or ",".join(settings.endpoints) or settings.endpoint
     timeout = timedelta(seconds=settings.store_timeout)
     store = EtcdStore(
         endpoints,
@@ -58,3 +61,10 @@ def create_etcd_backend(settings: RendezvousSettings, endpoints: str) -> EtcdBac
         password=settings.password,
     )
     return EtcdBackend(store, endpoints, settings)
+
+
+def etcd_handler(settings: RendezvousSettings) -> ElasticRendezvousHandler:
+    """The ``elasticstore-etcd`` backend's handler (its row in ``registry.py``)."""
+    from .handler import ElasticRendezvousHandler
+
+    return ElasticRendezvousHandler(create_etcd_backend(settings), settings)

@@ -7,17 +7,17 @@ round once with compare-and-set. A participant watches its successor's liveness 
 O(1) per node) and signals ``ctl/restart/R`` when it vanishes, so ``num_nodes_waiting()`` turns
 positive at once everywhere. Round R's rank 0 hosts a fresh worker store (a new native server,
 so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``
-(``worker_store``).
+(``worker_store``). The parts an agent uses beyond torch's interface (``api.AgentRendezvous``)
+are in ``agent_side.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -35,8 +35,9 @@ from ..errors import StoreNetworkError
 from ..server import StoreServer
 from ..store import Store
 from . import decisions
+from .agent_side import AgentSide
 from .backend import StoreBackend
-from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint, wait_alone
+from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _LOCAL_IDS = itertools.count()
 
 
-class ElasticRendezvousHandler(RendezvousHandler):
+class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
     """See the module doc. Several handlers in one process are distinct nodes."""
 
     def __init__(self, backend: StoreBackend, settings: RendezvousSettings) -> None:
@@ -99,10 +100,6 @@ class ElasticRendezvousHandler(RendezvousHandler):
     @property
     def node_id(self) -> str:
         return self._node
-
-    @property
-    def round(self) -> RoundState | None:
-        return self._round
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joining += 1
@@ -163,25 +160,6 @@ class ElasticRendezvousHandler(RendezvousHandler):
         with self._guard():
             self._backend.set(self._keys.closed, b"1")
 
-    def set_finished(self) -> None:
-        """Closes the run as finished (this node's workers succeeded) unless it is closed: its
-        run id is refused until ``elasticstore forget``, and the others read that a peer finished."""
-        with self._guard():
-            self._backend.create(self._keys.closed, json.dumps({"reason": FINISHED}))
-
-    def closed_reason(self) -> str | None:
-        """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
-        None when it is open or closed without a reason. Once this node saw the run closed (in
-        the event that ended its round), that reason, with no read: the store may be gone."""
-        if self._stop_seen is not None:
-            return self._stop_seen
-        with self._guard():
-            data = self._backend.get(self._keys.closed)
-        return closed_reason_of(data)
-
-    def _saw_stop(self, reason: str) -> None:
-        self._stop_seen = reason
-
     def _closed_error(self, closed: bytes) -> NoReturn:
         reason = closed_reason_of(closed)
         if reason is not None:
@@ -193,15 +171,6 @@ class ElasticRendezvousHandler(RendezvousHandler):
                 self._backend.name, self._backend.endpoint, self._settings.run_id,
                 self._settings.etcd_prefix))
 
-    def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
-        """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
-        failure when given. Outside the decider's prefix: no events for it."""
-        with self._guard():
-            data = dict(status, node=self._node, addr=self._addr, updated=time.time())
-            self._backend.set(self._keys.status_nodes + self._node, json.dumps(data))
-            if failure is not None:
-                self._backend.set(self._keys.failure, json.dumps(dict(failure, node=self._node)))
-
     def num_nodes_waiting(self) -> int:
         """Positive as soon as the current round must be replaced: a participant was lost
         (its liveness key vanished) or a waiting node fits in. One read."""
@@ -210,45 +179,6 @@ class ElasticRendezvousHandler(RendezvousHandler):
             return 0
         with self._guard():
             return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
-
-    # -- for an agent's wait point (not part of torch's interface) ------------------------------
-
-    def watch_round(self) -> RoundWatch | None:
-        """A watch on the current round's end (what ``num_nodes_waiting()`` reports), on a
-        connection of its own; None outside a round."""
-        rnd = self._round
-        if rnd is None:
-            return None
-        with self._guard():
-            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round), self._saw_stop)
-
-    def end_round(self, reason: str) -> None:
-        """Tells every participant at once that the current round is over (e.g. a worker
-        failed here); one event for the others' ``watch_round``, none when already ended."""
-        rnd = self._round
-        if rnd is not None:
-            with self._guard():
-                self._backend.create(self._keys.restart(rnd.round), json.dumps({"reason": reason}))
-
-    def serve_until_left(self, timeout: float, interrupted: Callable[[], bool],
-                         on_wait: Callable[[list[str]], None]) -> list[str]:
-        """Hosting the rendezvous server: serves until every other node of the run left, at most
-        ``timeout`` s or until ``interrupted()`` (see ``closing.wait_alone``); returns the nodes
-        still there. [] at once when this node hosts no server."""
-        if getattr(self._backend, "server", None) is None:
-            return []
-        with self._guard():
-            backend = self._backend.clone()
-            try:
-                return wait_alone(backend, self._keys.alive_prefix, self._node, timeout,
-                                  interrupted, on_wait)
-            finally:
-                backend.close()
-
-    @property
-    def hosts_store(self) -> bool:
-        """This node hosts the rendezvous server or the current round's worker store."""
-        return self._worker_server is not None or getattr(self._backend, "server", None) is not None
 
     def shutdown(self) -> bool:
         """Withdraws this node only (its keys go; the rendezvous stays open for the others).

@@ -11,14 +11,18 @@ from __future__ import annotations
 import logging
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ..errors import StoreNetworkError
 from ..server import StoreServer
 from ..store import Store
 from .backend import KeepFresh, StoreBackend
-from .settings import RendezvousSettings, numeric_host
+from .settings import RendezvousSettings
 
-__all__ = ["NativeBackend", "create_native_backend"]
+if TYPE_CHECKING:
+    from .handler import ElasticRendezvousHandler
+
+__all__ = ["NativeBackend", "create_native_backend", "native_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +61,9 @@ def _should_host(settings: RendezvousSettings) -> bool:
     if settings.is_host is not None:
         return settings.is_host
     try:
-        host = numeric_host(settings.host)
-        if settings.local_addr is not None:
-            return numeric_host(settings.local_addr) == host
+        host = settings.address
+        if settings.local_address is not None:
+            return settings.local_address == host
         # No local address given: host when the endpoint is an address of this machine (as
         # torch's c10d backend does; ``localhost`` included). Several agents of one machine
         # then race: one binds, the others find its server answering.
@@ -72,7 +76,7 @@ def _should_host(settings: RendezvousSettings) -> bool:
 
 
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
-    host = numeric_host(settings.host)
+    host = settings.address
     timeout = timedelta(seconds=settings.store_timeout)
     token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
@@ -98,3 +102,10 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             server.close()
         raise
     return NativeBackend(store, settings.endpoint, server)
+
+
+def native_handler(settings: RendezvousSettings) -> ElasticRendezvousHandler:
+    """The ``elasticstore`` backend's handler (its row in ``registry.py``)."""
+    from .handler import ElasticRendezvousHandler
+
+    return ElasticRendezvousHandler(create_native_backend(settings), settings)

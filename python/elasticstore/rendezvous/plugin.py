@@ -1,10 +1,11 @@
-"""torchrun's entry points (group ``torchrun.handlers``): ``elasticstore``,
-``elasticstore-etcd`` and ``elasticstore-static``.
+"""torchrun's entry points (group ``torchrun.handlers``), one per row of ``registry.py``:
+``elasticstore``, ``elasticstore-etcd`` and ``elasticstore-static``.
 
 torch loads them while its own ``torch.distributed.elastic.rendezvous`` package is being imported
 (possibly because ``elasticstore.rendezvous`` is): so this module imports nothing at load time,
 and each creator imports its backend when called. Each plugin returns the same creator object
-every time (torch's registry refuses a second, different creator under one name).
+every time (torch's registry refuses a second, different creator under one name). The entry
+point names a row's ``plugin`` attribute of this module (``native_plugin``, ...).
 """
 
 from __future__ import annotations
@@ -16,50 +17,67 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 __all__ = [
-    "create_etcd_handler", "create_native_handler", "create_static_handler",
+    "create_etcd_handler", "create_handler", "create_native_handler", "create_static_handler",
     "etcd_plugin", "native_plugin", "static_plugin",
 ]
+
+Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
+
+
+def create_handler(backend: str, params: RendezvousParameters) -> RendezvousHandler:
+    """The handler of backend ``backend`` (any of its names) for torch's parameters, parsed by
+    the same function as ``elasticstore-run``'s flags."""
+    from .registry import backend as row_of
+
+    row = row_of(backend)
+    handler: RendezvousHandler = row.create_handler(row.settings(
+        run_id=params.run_id, endpoint=params.endpoint, min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes, local_addr=params.local_addr, config=params.config))
+    return handler
 
 
 def create_native_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``elasticstore`` backend: the rendezvous on a native elasticstore server."""
-    from .handler import ElasticRendezvousHandler
-    from .native import create_native_backend
-    from .settings import settings_from_params
-
-    settings = settings_from_params(params)
-    return ElasticRendezvousHandler(create_native_backend(settings), settings)
+    return create_handler("elasticstore", params)
 
 
 def create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The ``elasticstore-etcd`` backend: the rendezvous on etcd v3 (``elasticstore[etcd]``).
     ``--rdzv-endpoint`` may list several members, comma-separated."""
-    from .etcd import create_etcd_backend
-    from .handler import ElasticRendezvousHandler
-    from .settings import settings_from_params
-
-    settings = settings_from_params(params, default_port=2379, endpoint=params.endpoint.split(",")[0])
-    return ElasticRendezvousHandler(create_etcd_backend(settings, params.endpoint), settings)
+    return create_handler("elasticstore-etcd", params)
 
 
 def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Fixed ranks (``rank`` from ``--node-rank``); rank 0 hosts a native server."""
-    from .settings import settings_from_params
-    from .static import StaticRendezvousHandler
-
-    return StaticRendezvousHandler(settings_from_params(params))
+    return create_handler("elasticstore-static", params)
 
 
-Creator = Callable[["RendezvousParameters"], "RendezvousHandler"]
+_CREATORS: dict[str, Creator] = {}
 
 
-def native_plugin() -> Creator:
-    return create_native_handler
+def _creator(name: str) -> Creator:
+    """One creator object per backend, made once."""
+    if name not in _CREATORS:
+        def create(params: RendezvousParameters) -> RendezvousHandler:
+            return create_handler(name, params)
+
+        create.__name__ = create.__qualname__ = f"create_{name.replace('-', '_')}_handler"
+        _CREATORS[name] = create
+    return _CREATORS[name]
 
 
-def etcd_plugin() -> Creator:
-    return create_etcd_handler
+def __getattr__(attr: str) -> Callable[[], Creator]:
+    """A row's entry point (its ``plugin`` attribute): a zero-argument callable returning the
+    backend's creator, as torchrun's ``torchrun.handlers`` group expects."""
+    from .registry import BACKENDS
+
+    for row in BACKENDS:
+        if row.plugin == attr:
+            return lambda: _creator(row.name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-def static_plugin() -> Creator:
-    return create_static_handler
+if TYPE_CHECKING:  # the rows' entry points, as type checkers see them
+    def native_plugin() -> Creator: ...
+    def etcd_plugin() -> Creator: ...
+    def static_plugin() -> Creator: ...

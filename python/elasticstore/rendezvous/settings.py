@@ -22,7 +22,8 @@ token_file           (env)     native/static: file holding the shared token; the
 timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
 ==================== ========= ================================================================
 
-An unknown key or a bad value raises ``ValueError`` naming the key and the reason. Quotes left in
+An unknown key or a bad value raises :class:`SettingsError` (a ``ValueError``) naming the key
+and the reason, and in ``flag`` the launcher's flag it came from. Quotes left in
 by a shell or torch's parser (``'join_timeout=5,timeout=5'``, ``key="value"``) are dropped.
 """
 
@@ -34,12 +35,14 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .._conf import unquote_config
 from .._token import read_token_file
 
-__all__ = ["DEFAULT_PORT", "RendezvousSettings", "numeric_host", "parse_endpoint", "settings_from_params"]
+__all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host", "parse_endpoint",
+           "settings_from_params"]
 
 DEFAULT_PORT = 29400
 
@@ -48,6 +51,15 @@ _FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
 _STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
 _KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout", "token_file"}
+
+
+class SettingsError(ValueError):
+    """A bad rendezvous setting; ``flag`` names the launcher's flag it came from
+    (``--rdzv-conf``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``)."""
+
+    def __init__(self, message: str, flag: str = "--rdzv-conf") -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 def numeric_host(host: str) -> str:
@@ -64,7 +76,7 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
     """``host[:port]`` (IPv6 in brackets) -> (host, port)."""
     endpoint = endpoint.strip()
     if not endpoint:
-        raise ValueError("rdzv endpoint: empty (expected host[:port])")
+        raise SettingsError("rdzv endpoint: empty (expected host[:port])", "--rdzv-endpoint")
     if endpoint.startswith("["):
         host, _, rest = endpoint[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -75,7 +87,8 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
     if not port_text:
         return host, default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"rdzv endpoint {endpoint!r}: port {port_text!r} is not a port number")
+        raise SettingsError(f"rdzv endpoint {endpoint!r}: port {port_text!r} is not a port number",
+                            "--rdzv-endpoint")
     return host, int(port_text)
 
 
@@ -83,9 +96,9 @@ def _seconds(key: str, value: Any) -> float:
     try:
         secs = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"rdzv-conf {key}={value!r}: not a number of seconds") from None
+        raise SettingsError(f"rdzv-conf {key}={value!r}: not a number of seconds") from None
     if not math.isfinite(secs) or secs <= 0:
-        raise ValueError(f"rdzv-conf {key}={value!r}: must be a positive number of seconds")
+        raise SettingsError(f"rdzv-conf {key}={value!r}: must be a positive number of seconds")
     return secs
 
 
@@ -97,20 +110,20 @@ def _bool(key: str, value: Any) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"rdzv-conf {key}={value!r}: not a boolean (true/false, 1/0, yes/no)")
+    raise SettingsError(f"rdzv-conf {key}={value!r}: not a boolean (true/false, 1/0, yes/no)")
 
 
 def _token_file(value: Any) -> tuple[str, str]:
     """(absolute path, token) of ``token_file``; refuses a missing, unreadable or empty file."""
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"rdzv-conf token_file={value!r}: must be a path to a token file")
+        raise SettingsError(f"rdzv-conf token_file={value!r}: must be a path to a token file")
     path = os.path.abspath(os.path.expanduser(value.strip()))
     try:
         return path, read_token_file(path)
     except OSError as exc:
-        raise ValueError(f"rdzv-conf token_file={value!r}: {exc.strerror or exc}") from None
+        raise SettingsError(f"rdzv-conf token_file={value!r}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise ValueError(f"rdzv-conf token_file={value!r}: {exc}") from None
+        raise SettingsError(f"rdzv-conf token_file={value!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,8 @@ class RendezvousSettings:
     rank: int | None = None
     token_file: str | None = None
     token: str | None = field(default=None, repr=False)  # read from token_file at parse time
+    # Every member as given (etcd: ``--rdzv-endpoint`` may list several); host/port: the first's.
+    endpoints: tuple[str, ...] = ()
 
     @property
     def store_token(self) -> str | None:
@@ -148,19 +163,31 @@ class RendezvousSettings:
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
-            raise ValueError(f"run_id {self.run_id!r}: must be non-empty, without '/'")
+            raise SettingsError(f"run_id {self.run_id!r}: must be non-empty, without '/'", "--rdzv-id")
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
-            raise ValueError(
-                f"nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= min_nodes <= max_nodes"
-            )
+            raise SettingsError(
+                f"nnodes {self.min_nodes}:{self.max_nodes}: need 1 <= min_nodes <= max_nodes",
+                "--nnodes")
         if self.protocol not in (None, "http", "https"):
-            raise ValueError(f"rdzv-conf protocol={self.protocol!r}: must be http or https")
+            raise SettingsError(f"rdzv-conf protocol={self.protocol!r}: must be http or https")
         if (self.cert is None) != (self.key is None):
-            raise ValueError("rdzv-conf cert/key: give both (client certificate and its key)")
+            raise SettingsError("rdzv-conf cert/key: give both (client certificate and its key)")
         if (self.user is None) != (self.password is None):
-            raise ValueError("rdzv-conf user/password: give both")
+            raise SettingsError("rdzv-conf user/password: give both")
         if self.rank is not None and self.rank < 0:
-            raise ValueError(f"rdzv-conf rank={self.rank}: must be >= 0")
+            raise SettingsError(f"rdzv-conf rank={self.rank}: must be >= 0")
+        if self.protocol == "https" and self.cacert is None:
+            raise SettingsError("rdzv-conf protocol=https: needs cacert")
+
+    @cached_property
+    def address(self) -> str:
+        """The endpoint's host as a numeric address, looked up once per settings."""
+        return numeric_host(self.host)
+
+    @cached_property
+    def local_address(self) -> str | None:
+        """``local_addr`` as a numeric address (looked up once), None when not given."""
+        return numeric_host(self.local_addr) if self.local_addr else None
 
     @property
     def endpoint(self) -> str:
@@ -177,13 +204,15 @@ class RendezvousSettings:
         local_addr: str | None,
         config: Mapping[str, Any],
         default_port: int = DEFAULT_PORT,
+        several: bool = False,
     ) -> RendezvousSettings:
         """Parses ``config`` (the ``--rdzv-conf`` keys); refuses unknown keys and bad values.
-        Quotes torch's parser leaves in (``--rdzv-conf "'timeout=5'"``, ``key="v"``) are dropped."""
+        Quotes torch's parser leaves in (``--rdzv-conf "'timeout=5'"``, ``key="v"``) are dropped.
+        ``several``: ``endpoint`` may list members, comma-separated (host and port: the first's)."""
         config = unquote_config(config)
         unknown = sorted(set(config) - _KNOWN)
         if unknown:
-            raise ValueError(
+            raise SettingsError(
                 f"rdzv-conf: unknown key(s) {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(_KNOWN))})"
             )
@@ -196,7 +225,7 @@ class RendezvousSettings:
             if value is None:
                 continue
             if not isinstance(value, str) or not value:
-                raise ValueError(f"rdzv-conf {key}={value!r}: must be a non-empty string")
+                raise SettingsError(f"rdzv-conf {key}={value!r}: must be a non-empty string")
             kwargs["cacert" if key == "ca_cert" else key] = value
         if "is_host" in config:
             kwargs["is_host"] = _bool("is_host", config["is_host"])
@@ -204,12 +233,13 @@ class RendezvousSettings:
             try:
                 kwargs["rank"] = int(config["rank"])
             except (TypeError, ValueError):
-                raise ValueError(f"rdzv-conf rank={config['rank']!r}: not an integer") from None
+                raise SettingsError(f"rdzv-conf rank={config['rank']!r}: not an integer") from None
         if config.get("token_file") is not None:
             kwargs["token_file"], kwargs["token"] = _token_file(config["token_file"])
         if "timeout" in config:  # torchrun's; checked, not used (join_timeout is)
             _seconds("timeout", config["timeout"])
-        host, port = parse_endpoint(endpoint, default_port)
+        members = tuple(e.strip() for e in endpoint.split(",")) if several else (endpoint,)
+        host, port = parse_endpoint(members[0], default_port)
         return cls(
             run_id=run_id,
             host=host,
@@ -217,20 +247,23 @@ class RendezvousSettings:
             min_nodes=int(min_nodes),
             max_nodes=int(max_nodes),
             local_addr=local_addr or None,
+            endpoints=members,
             **kwargs,
         )
 
 
 def settings_from_params(
-    params: Any, default_port: int = DEFAULT_PORT, endpoint: str | None = None
+    params: Any, default_port: int = DEFAULT_PORT, several: bool = False
 ) -> RendezvousSettings:
-    """Settings from torch's ``RendezvousParameters``."""
+    """Settings from torch's ``RendezvousParameters`` (the torchrun plugin path): the same
+    parse as the launcher's."""
     return RendezvousSettings.from_config(
         run_id=params.run_id,
-        endpoint=params.endpoint if endpoint is None else endpoint,
+        endpoint=params.endpoint,
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         local_addr=params.local_addr,
         config=params.config,
         default_port=default_port,
+        several=several,
     )

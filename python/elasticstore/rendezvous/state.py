@@ -18,6 +18,13 @@ Status and heartbeat keys live outside ``rdzv/R/``: the decider watches that pre
 writes and beats must not cost it events.
 
 Waiting nodes watch ``ctl/`` only: O(1) events per node per round.
+
+In a round's worker store, the agents of attempt ``A`` (the round number - 1) keep
+(:class:`AgentKeys`)::
+
+    elasticstore/agent/A/node/{rank}   the node's worker count (JSON ``{"nproc": N}``)
+    elasticstore/agent/A/done/{rank}   the node's workers succeeded ("host" or "node")
+    elasticstore/agent/A/left/{rank}   the node read what it waited for and left the store
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from .records import RecordError, parse_record
 
-__all__ = ["SCHEMA", "Keys", "NodeId", "RoundState", "node_sort_key"]
+__all__ = ["SCHEMA", "AgentKeys", "Keys", "NodeId", "RoundState", "node_sort_key"]
 
 SCHEMA = 1
 
@@ -156,3 +163,19 @@ class Keys:
 
     def check(self, target: int) -> str:
         return f"{self.ctl}check/{target}"
+
+
+class AgentKeys:
+    """The agents' key names in the worker store of attempt ``attempt`` (see the module doc)."""
+
+    def __init__(self, attempt: int) -> None:
+        self.prefix = f"elasticstore/agent/{attempt}/"
+
+    def node(self, rank: int) -> str:
+        return f"{self.prefix}node/{rank}"
+
+    def done(self, rank: int) -> str:
+        return f"{self.prefix}done/{rank}"
+
+    def left(self, rank: int) -> str:
+        return f"{self.prefix}left/{rank}"

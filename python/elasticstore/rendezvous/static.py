@@ -22,7 +22,7 @@ from .._token import resolve_token
 from ..server import StoreServer
 from ..store import Store
 from .worker_store import local_addr
-from .settings import RendezvousSettings, numeric_host
+from .settings import RendezvousSettings
 
 __all__ = ["StaticRendezvousHandler"]
 
@@ -54,7 +54,7 @@ class StaticRendezvousHandler(RendezvousHandler):
         s = self._settings
         if self._closed:
             raise RendezvousClosedError(f"rendezvous {s.run_id!r} is closed")
-        host = numeric_host(s.host)
+        host = s.address
         if self._store is None:
             timeout = timedelta(seconds=s.join_timeout)
             if s.rank == 0:

@@ -8,22 +8,23 @@ import socket
 import time
 from datetime import timedelta
 
-from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeoutError
 
 from ..errors import AuthenticationError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
 from ..server import StoreServer
 from ..store import Store
 from .backend import StoreBackend
-from .settings import RendezvousSettings, numeric_host
-from .state import Keys, NodeId, RoundState
+from .settings import RendezvousSettings
+from .state import AgentKeys, Keys, NodeId, RoundState
 
-__all__ = ["RECONNECT", "RoundReplaced", "await_boot", "connect_worker_store", "host_worker_store",
-           "local_addr", "member_addrs"]
+__all__ = ["PEER_CHECK_TIMEOUT", "RECONNECT", "RoundReplaced", "await_boot", "connect_worker_store",
+           "host_worker_store", "local_addr", "member_addrs", "peer_finished"]
 
 # Seconds one connection attempt to a round's worker store may take (reconnects included): its
 # host closes it as soon as the round is replaced, and a node must learn that, not retry for
 # store_timeout.
 RECONNECT = 3.0
+PEER_CHECK_TIMEOUT = 0.5  # seconds: asking the round's store whether a peer finished
 
 
 class RoundReplaced(Exception):
@@ -33,11 +34,11 @@ class RoundReplaced(Exception):
 def local_addr(settings: RendezvousSettings) -> str:
     """``local_addr`` if set, else the address this host uses to reach the endpoint (a UDP
     connect sends nothing and needs no DNS); 127.0.0.1 when there is no route."""
-    if settings.local_addr:
-        return numeric_host(settings.local_addr)
+    if settings.local_address is not None:
+        return settings.local_address
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            sock.connect((numeric_host(settings.host), settings.port))
+            sock.connect((settings.address, settings.port))
             return str(sock.getsockname()[0])
         except OSError:
             return "127.0.0.1"
@@ -117,3 +118,19 @@ def connect_worker_store(backend: StoreBackend, keys: Keys, rnd: int, host: str,
                     f"round {rnd}: the worker store at {host}:{port} did not answer within "
                     f"join_timeout: {exc}") from None
     raise RendezvousTimeoutError(f"round {rnd}: could not connect to the worker store")
+
+
+def peer_finished(info: RendezvousInfo, attempt: int, token: str | None) -> bool:
+    """Whether another node of the round finished (its ``done`` key in the round's store). On
+    a connection of its own with a short deadline: the round's store may have gone with its
+    host; False when it cannot tell."""
+    boot = info.bootstrap_store_info
+    if boot is None:
+        return False
+    keys, quick = AgentKeys(attempt), timedelta(seconds=PEER_CHECK_TIMEOUT)
+    try:
+        with Store(boot.master_addr, boot.master_port, timeout=quick, connect_timeout=quick,
+                   token=token) as st:
+            return any(st.try_get(keys.done(i)) is not None for i in range(info.world_size))
+    except Exception:
+        return False

@@ -1,0 +1,89 @@
+"""Entering a round: ``next_rendezvous`` in a thread of its own (a signal is handled at once),
+and the ranks of this node's workers (each node publishes its worker count in the round's store
+and reads the others')."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+
+from ..rendezvous.api import AgentRendezvous
+from ..rendezvous.records import int_field, parse_record
+from ..rendezvous.state import AgentKeys
+from .logs import say
+
+__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign"]
+
+ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the round's store
+
+
+class RendezvousCall:
+    """``handler.next_rendezvous()`` in a daemon thread (``thread``), started at once."""
+
+    def __init__(self, handler: AgentRendezvous) -> None:
+        self._result: dict[str, Any] = {}
+        self._done_r, done_w = socket.socketpair()
+        result = self._result
+
+        def target() -> None:
+            try:
+                result["info"] = handler.next_rendezvous()
+            except BaseException as exc:
+                result["error"] = exc
+            finally:
+                try:
+                    done_w.send(b"x")
+                except OSError:
+                    pass  # the agent stopped waiting (a signal): nobody reads the result
+                finally:
+                    done_w.close()
+
+        self.thread = threading.Thread(target=target, name="rendezvous", daemon=True)
+        self.thread.start()
+
+    def wait(self, sig_r: socket.socket) -> RendezvousInfo | int:
+        """The round, or the number of the signal that came first on ``sig_r`` (the agent's
+        wakeup socket); raises what ``next_rendezvous`` raised."""
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self._done_r, selectors.EVENT_READ)
+                sel.register(sig_r, selectors.EVENT_READ)
+                for _ in range(1 << 40):
+                    for key, _ in sel.select():
+                        if key.fileobj is sig_r:
+                            sigs = sig_r.recv(64)
+                            say(f"[elasticstore-run] got {signal.Signals(sigs[0]).name} in the rendezvous")
+                            return sigs[0]
+                        if "error" in self._result:
+                            raise self._result["error"]
+                        info: RendezvousInfo = self._result["info"]
+                        return info
+            return 1
+        finally:
+            self._done_r.close()
+
+
+def _nproc_of(value: bytes, node: int) -> int:
+    """A node's worker count from its record in the round's store (validated: the store is input)."""
+    nproc = int_field(parse_record(value, f"node {node}'s worker count"), "nproc")
+    if nproc is None or nproc < 1:
+        raise ValueError(f"node {node}'s worker count is not a positive integer: {value[:80]!r}")
+    return nproc
+
+
+def assign(info: RendezvousInfo, attempt: int, nproc: int) -> tuple[int, int]:
+    """(first global rank here, world size): this node publishes its worker count in the
+    round's store and reads the others' (one set, one wait, one multi_get)."""
+    store, keys = info.store, AgentKeys(attempt)
+    store.set(keys.node(info.rank), json.dumps({"nproc": nproc}))
+    names = [keys.node(i) for i in range(info.world_size)]
+    store.wait(names, timedelta(seconds=ASSIGN_TIMEOUT))
+    counts = [_nproc_of(v, node) for node, v in enumerate(store.multi_get(names))]
+    return sum(counts[: info.rank]), sum(counts)

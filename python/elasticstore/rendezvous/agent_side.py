@@ -1,0 +1,110 @@
+"""The handler's parts for an elastic agent, beyond torch's interface (``api.AgentRendezvous``):
+the round's end as a watch, ending a round for everyone, the closing reason, the status record,
+and the end of a run (finished; serving until the others left or finished)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+
+from ..server import StoreServer
+from .backend import StoreBackend
+from .closing import FINISHED, RoundWatch, closed_reason_of, wait_alone
+from .settings import RendezvousSettings
+from .state import Keys, RoundState
+from .worker_store import peer_finished
+
+__all__ = ["AgentSide"]
+
+
+class AgentSide:
+    """Mixed into ``ElasticRendezvousHandler``, whose state it reads."""
+
+    _backend: StoreBackend
+    _settings: RendezvousSettings
+    _keys: Keys
+    _node: str
+    _addr: str
+    _round: RoundState | None
+    _worker_server: StoreServer | None
+    _stop_seen: str | None
+
+    def _guard(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    @property
+    def round(self) -> RoundState | None:
+        return self._round
+
+    def set_finished(self) -> None:
+        """Closes the run as finished (this node's workers succeeded) unless it is closed: its
+        run id is refused until ``elasticstore forget``, and the others read that a peer finished."""
+        with self._guard():
+            self._backend.create(self._keys.closed, json.dumps({"reason": FINISHED}))
+
+    def closed_reason(self) -> str | None:
+        """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
+        None when it is open or closed without a reason. Once this node saw the run closed (in
+        the event that ended its round), that reason, with no read: the store may be gone."""
+        if self._stop_seen is not None:
+            return self._stop_seen
+        with self._guard():
+            data = self._backend.get(self._keys.closed)
+        return closed_reason_of(data)
+
+    def _saw_stop(self, reason: str) -> None:
+        self._stop_seen = reason
+
+    def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
+        """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
+        failure when given. Outside the decider's prefix: no events for it."""
+        with self._guard():
+            data = dict(status, node=self._node, addr=self._addr, updated=time.time())
+            self._backend.set(self._keys.status_nodes + self._node, json.dumps(data))
+            if failure is not None:
+                self._backend.set(self._keys.failure, json.dumps(dict(failure, node=self._node)))
+
+    def watch_round(self) -> RoundWatch | None:
+        """A watch on the current round's end (what ``num_nodes_waiting()`` reports), on a
+        connection of its own; None outside a round."""
+        rnd = self._round
+        if rnd is None:
+            return None
+        with self._guard():
+            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round), self._saw_stop)
+
+    def end_round(self, reason: str) -> None:
+        """Tells every participant at once that the current round is over (e.g. a worker
+        failed here); one event for the others' ``watch_round``, none when already ended."""
+        rnd = self._round
+        if rnd is not None:
+            with self._guard():
+                self._backend.create(self._keys.restart(rnd.round), json.dumps({"reason": reason}))
+
+    def serve_until_left(self, timeout: float, interrupted: Callable[[], bool],
+                         on_wait: Callable[[list[str]], None]) -> list[str]:
+        """Hosting the rendezvous server: serves until every other node of the run left, at most
+        ``timeout`` s or until ``interrupted()`` (see ``closing.wait_alone``); returns the nodes
+        still there. [] at once when this node hosts no server."""
+        if self._backend.server is None:
+            return []
+        with self._guard():
+            backend = self._backend.clone()
+            try:
+                return wait_alone(backend, self._keys.alive_prefix, self._node, timeout,
+                                  interrupted, on_wait)
+            finally:
+                backend.close()
+
+    @property
+    def hosts_store(self) -> bool:
+        """This node hosts the rendezvous server or the current round's worker store."""
+        return self._worker_server is not None or self._backend.server is not None
+
+    def peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
+        """Whether another node of the round finished (``worker_store.peer_finished``)."""
+        return peer_finished(info, attempt, self._settings.store_token)
