@@ -123,7 +123,7 @@ class _LostReplies:
         import grpc
         from etcd3 import etcdrpc
 
-        from elasticstore import _etcd_client
+        from elasticstore.stores.etcd import client as etcd_client
 
         real_stub = etcdrpc.KVStub
         state = {"left": count}
@@ -150,7 +150,7 @@ class _LostReplies:
                     raise Lost()
                 return reply
 
-        monkeypatch.setattr(_etcd_client.etcdrpc, "KVStub", Stub)
+        monkeypatch.setattr(etcd_client.etcdrpc, "KVStub", Stub)
         self.state = state
 
 
@@ -176,7 +176,7 @@ def test_a_lost_reply_then_an_ended_lease_is_never_applied_twice(
     """add() commits, its reply is lost, and the lease holding the operation marker ends before
     the retry: the retry cannot tell whether the add applied. It must not apply it again; it
     raises AmbiguousOutcomeError naming the call and the key. The store stays usable."""
-    from elasticstore.etcd_store import AmbiguousOutcomeError
+    from elasticstore.stores.etcd import AmbiguousOutcomeError
 
     assert store.add("counter", 0) == 0  # the store's lease and marker exist
     lease = store._s()[1].lease_id(None)

@@ -24,7 +24,7 @@ from elasticstore import (
     WatchCompactedError,
     WatchEvent,
 )
-from elasticstore import store as store_module
+from elasticstore.stores import keepalive
 
 SHORT = timedelta(seconds=1)
 SLACK = 1.0
@@ -383,7 +383,7 @@ def test_dropped_store_parks_and_keeps_serving_torch(server: StoreServer) -> Non
     # Only torch's C++ PrefixStore holds the store now: it is parked, its connection closed.
     procs.wait_until(lambda: server.stats()["connections"] == 0, 10, "the parked connection")
     parked = [
-        s for s in store_module._PARKED if isinstance(s, Store) and s.port == server.port
+        s for s in keepalive.PARKED if isinstance(s, Store) and s.port == server.port
     ]
     assert len(parked) == 1
     # C++ calls still reach the Python methods (reconnecting once).
@@ -392,13 +392,13 @@ def test_dropped_store_parks_and_keeps_serving_torch(server: StoreServer) -> Non
     assert prefix.add("n", 2) == 2
     assert server.stats()["connections"] == 1
     parked[0].close()
-    assert parked[0] not in store_module._PARKED
+    assert parked[0] not in keepalive.PARKED
     procs.wait_until(lambda: server.stats()["connections"] == 0, 10, "the connection to close")
 
 
 def test_closed_store_is_not_parked(server: StoreServer) -> None:
-    before = len(store_module._PARKED)
+    before = len(keepalive.PARKED)
     with Store(server.host, server.port):
         pass
     gc.collect()
-    assert len(store_module._PARKED) == before
+    assert len(keepalive.PARKED) == before

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from .._token import read_token_file
-from ..store import Store
+from ..stores.native.token import read_token_file
+from ..stores.native.store import Store
 from .logs import say
 
 __all__ = ["PEER_CHECK_TIMEOUT", "WAIT_SLICE", "finish", "mark_finished", "peers_done",

@@ -44,12 +44,12 @@ def connect(addr: JobAddress) -> Any:
     the store's network error within ``addr.timeout`` when nothing answers."""
     wait = timedelta(seconds=addr.timeout)
     if addr.backend in ("etcd", "elasticstore-etcd"):
-        from ..etcd_store import EtcdStore
+        from ..stores.etcd import EtcdStore
 
         return EtcdStore(addr.endpoint, prefix=addr.etcd_prefix, timeout=wait, connect_timeout=wait,
                          ca_cert=addr.cacert, cert=addr.cert, key=addr.key, user=addr.user,
                          password=addr.password)
-    from ..store import Store
+    from ..stores.native.store import Store
 
     host, port = parse_endpoint(addr.endpoint)
     return Store(host.strip("[]"), port, timeout=wait, connect_timeout=wait, token=addr.token)

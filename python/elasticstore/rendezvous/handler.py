@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ..errors import StoreNetworkError
-from ..server import StoreServer
-from ..store import Store
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
 from . import decisions
 from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint, wait_alone

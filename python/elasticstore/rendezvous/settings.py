@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._conf import unquote_config
-from .._token import read_token_file
+from ..stores.native.token import read_token_file
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "numeric_host", "parse_endpoint", "settings_from_params"]
 

@@ -7,7 +7,7 @@ Layout, all under ``prefix`` (prefixes of two jobs must not nest, one a path pre
     {prefix}/sys/barrier/{key}     a barrier: "{generation} {arrived} {world_size}" (no lease)
     {prefix}/sys/op/{store id}     this store's operation marker (bound to its lease)
 
-Semantics (the mechanics are in ``_etcd_txn``):
+Semantics (the mechanics are in ``txn``):
 
 - ``add``, ``append``, ``compare_set``, ``delete_key``, barrier arrivals and queue pops are
   read-modify-write transactions compared on ``mod_revision``, retried while the key changes
@@ -22,7 +22,7 @@ Semantics (the mechanics are in ``_etcd_txn``):
   5 s), refreshed every TTL/3 by a daemon thread and revoked on ``close``: the key vanishes at
   close, or within the TTL when the owner dies.
 - ``barrier(key, n)``: reusable, generation counted, an arrival that timed out is withdrawn,
-  as the native server's; ``queue_*``: an item key each (both in ``_etcd_sync``).
+  as the native server's; ``queue_*``: an item key each (both in ``sync``).
 """
 
 from __future__ import annotations
@@ -32,30 +32,20 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+from etcd3 import etcdrpc
 
-try:
-    import grpc  # noqa: F401 (the extra's other half)
-    from etcd3 import etcdrpc
-except ImportError as exc:  # pragma: no cover (exercised without the extra)
-    raise ImportError(
-        f"EtcdStore needs the etcd client ({exc}): pip install elasticstore[etcd]"
-    ) from exc
-
-from ._etcd_client import Connection, LeaseKeeper
-from .call_stats import etcd_recorded
-from ._etcd_sync import EtcdSyncMixin
-from ._etcd_txn import (
-    _DELETE, AmbiguousOutcomeError, Key, Timeout, Value, _b, _deadline, _range_end,
-)
-from ._etcd_watch import EtcdWatchMixin
-from .errors import StoreError, StoreTimeoutError, WatchCompactedError
-from .store import _DEFAULT_TIMEOUT, _PARKED, WatchEvent, _park
+from ...errors import AmbiguousOutcomeError, StoreError, StoreTimeoutError, WatchCompactedError
+from ..api import DEFAULT_TIMEOUT, Key, KVStore, Timeout, Value, WatchEvent
+from ..call_stats import etcd_recorded
+from ..keepalive import PARKED, park
+from .base import DELETE, deadline as deadline_of, range_end, to_bytes
+from .sync import EtcdSyncPart
+from .watch import EtcdWatchPart
 
 __all__ = ["AmbiguousOutcomeError", "EtcdStore"]
 
@@ -79,7 +69,7 @@ def _int64_amount(amount: int) -> int:
     return amount
 
 
-class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
+class EtcdStore(EtcdWatchPart, EtcdSyncPart):
     """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`.
 
     ``endpoints``: ``"host:port"`` strings (or one comma-separated string); on a network error
@@ -92,7 +82,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         endpoints: str | Iterable[str],
         *,
         prefix: str = "/elasticstore",
-        timeout: timedelta = _DEFAULT_TIMEOUT,
+        timeout: timedelta = DEFAULT_TIMEOUT,
         lease_ttl: timedelta | float = timedelta(seconds=5),
         connect_timeout: timedelta | None = None,
         ca_cert: str | None = None,
@@ -118,49 +108,20 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         self._auth = {"user": user, "password": password}
         self._lock = threading.Lock()
         self._init_marker(self._sys + b"op/" + uuid.uuid4().hex.encode())
-        self._init_cursors()  # watch streams kept open between calls (_etcd_watch)
-        self._session: tuple[Connection, LeaseKeeper] | None = None
+        self._init_cursors()  # watch streams kept open between calls (watch.py)
+        self._session = None
         self.set_timeout(timeout)
         self._session = self._open()
         self._closed = False
 
     # -- connection, lease, keep-alive -----------------------------------------------------------
 
-    def _open(self) -> tuple[Connection, LeaseKeeper]:
-        conn = Connection(self._endpoints, **self._tls, **self._auth)
-        budget = self._connect_timeout if self._connect_timeout is not None else self.timeout
-        try:
-            conn.call(
-                lambda ch, md, t: etcdrpc.MaintenanceStub(ch).Status(
-                    etcdrpc.StatusRequest(), timeout=t, metadata=md
-                ),
-                _deadline(budget), "connect",
-            )
-        except BaseException:
-            conn.close()
-            raise
-        return conn, LeaseKeeper(conn, self._ttl)
-
-    def _s(self) -> tuple[Connection, LeaseKeeper]:
-        session = self._session
-        if session is not None:
-            return session
-        with self._lock:  # parked (see store._PARKED): reconnect on the first call
-            if self._closed:
-                raise StoreError(f"{self!r} is closed")
-            if self._session is None:
-                self._session = self._open()
-            return self._session
-
-    def _c(self) -> Connection:
-        return self._s()[0]
-
     def close(self) -> None:
         """Revokes the lease (ephemeral keys vanish now) and closes the channels. Idempotent."""
         with self._lock:
             self._closed = True
             session, self._session = self._session, None
-        _PARKED.discard(self)
+        PARKED.discard(self)
         self._close_cursors(final=True)
         if session is not None:
             session[1].stop(wait=True)
@@ -172,7 +133,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
                 return
             session, self._session = self._session, None
             self._close_cursors(final=False)
-            if not _park(self):  # parked only while torch's C++ side holds it (see store.py)
+            if not park(self):  # parked only while torch's C++ side holds it (see keepalive.py)
                 self._closed = True  # nothing else holds it: freed now
             if session is not None:
                 session[1].stop(wait=False)  # its thread revokes the lease; channels close later
@@ -186,35 +147,6 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"elasticstore.EtcdStore({','.join(self._endpoints)!r}, {self._prefix!r}, {state})"
-
-    @property
-    def endpoints(self) -> list[str]:
-        return list(self._endpoints)
-
-    @property
-    def prefix(self) -> str:
-        return self._prefix
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        if not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be a timedelta, got {type(timeout).__name__}")
-        super().set_timeout(timeout)
-
-    def _op_deadline(self) -> float | None:
-        return _deadline(self.timeout)
-
-    def _k(self, key: Key) -> bytes:
-        return self._kv + _b(key)
-
-    def _name(self, full: bytes) -> str:
-        for base in (self._kv, self._sys, self._q):
-            if full.startswith(base):
-                return full[len(base):].decode("utf-8", "replace")
-        return full.decode("utf-8", "replace")
-
     # -- the torch.distributed.Store API -------------------------------------------------------
 
     def set(self, key: Key, value: Value, ephemeral: bool = False) -> None:  # type: ignore[override]
@@ -224,7 +156,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         deadline = self._op_deadline()
         while True:
             lease = keeper.lease_id(deadline) if ephemeral else 0
-            request = etcdrpc.PutRequest(key=self._k(key), value=_b(value), lease=lease)
+            request = etcdrpc.PutRequest(key=self._k(key), value=to_bytes(value), lease=lease)
             try:
                 conn.kv("Put", request, deadline, "set")
                 return
@@ -265,7 +197,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
                        ephemeral: bool = False) -> tuple[bool, bytes | None]:
         """``(swapped, value now stored or None when the key is missing)``. An empty
         ``expected`` matches a missing key (creates it)."""
-        exp, want = _b(expected), _b(desired)
+        exp, want = to_bytes(expected), to_bytes(desired)
 
         def decide(kv: Any) -> tuple[tuple[Any, ...] | None, tuple[bool, bytes | None]]:
             if kv is None:
@@ -280,7 +212,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         """torch's contract: the value now stored (``desired`` when it swapped), or ``expected``
         when the key is missing and nothing was set. See :meth:`compare_set_ex`."""
         _, value = self.compare_set_ex(key, expected, desired)
-        return value if value is not None else _b(expected)
+        return value if value is not None else to_bytes(expected)
 
     def wait(self, keys: list[Key], timeout: Timeout = None) -> None:  # type: ignore[override]
         full = [self._k(k) for k in keys]
@@ -293,7 +225,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         return all(f in kvs or self.queue_len(k) > 0 for k, f in zip(keys, full))
 
     def num_keys(self) -> int:
-        request = etcdrpc.RangeRequest(key=self._kv, range_end=_range_end(self._kv),
+        request = etcdrpc.RangeRequest(key=self._kv, range_end=range_end(self._kv),
                                        count_only=True)
         return int(self._c().kv("Range", request, self._op_deadline(), "num_keys").count)
 
@@ -314,7 +246,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
                          **self._tls, **self._auth)
 
     def append(self, key: Key, value: Value) -> None:  # type: ignore[override]
-        tail = _b(value)
+        tail = to_bytes(value)
         self._rmw(self._k(key), lambda kv: (
             ("put", (kv.value if kv is not None else b"") + tail), None), "append")
 
@@ -330,7 +262,8 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         """Sets every key in one transaction."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        puts = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._k(k), value=_b(v)))
+        puts = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=self._k(k),
+                                                                 value=to_bytes(v)))
                 for k, v in zip(keys, values)]
         self._txn(self._op_deadline(), "multi_set", success=puts)
 
@@ -340,7 +273,7 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
     def list_keys(self, prefix: Key = "") -> list[str]:  # type: ignore[override]
         """Keys starting with ``prefix``, sorted."""
         start = self._k(prefix)
-        request = etcdrpc.RangeRequest(key=start, range_end=_range_end(start), keys_only=True)
+        request = etcdrpc.RangeRequest(key=start, range_end=range_end(start), keys_only=True)
         reply = self._c().kv("Range", request, self._op_deadline(), "list_keys")
         return sorted(self._name(kv.key) for kv in reply.kvs)
 
@@ -354,14 +287,14 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
         :class:`~elasticstore.WatchCompactedError` when etcd compacted those revisions."""
         full = self._k(key)
         timeout = self.timeout if timeout is None else timeout
-        deadline, start = _deadline(timeout), time.monotonic()
+        deadline, start = deadline_of(timeout), time.monotonic()
         if after_version is None:
             after_version = self._read([], deadline, "watch")[1]
-        end = _range_end(full) if prefix else b""
-        try:  # the stream stays open for the next call on this key (_etcd_watch)
+        end = range_end(full) if prefix else b""
+        try:  # the stream stays open for the next call on this key (watch.py)
             ev = self._watch_next(full, end, int(after_version), deadline)
             name, value, version = self._name(ev.kv.key), ev.kv.value, ev.kv.mod_revision
-            if ev.type == _DELETE:
+            if ev.type == DELETE:
                 return WatchEvent("delete", name, value, version)
             return WatchEvent("set", name, value, version)
         except WatchCompactedError as exc:
@@ -376,6 +309,39 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
     def ping(self) -> None:
         self._read([], self._op_deadline(), "ping")
 
+    # -- etcd's own operations -------------------------------------------------------------------
+
+    def revision(self) -> int:
+        """etcd's current revision (one read): a :meth:`watch` with ``after_version`` set to it
+        misses no later change. Bounded by the store's timeout."""
+        return self._read([], self._op_deadline(), "revision")[1]
+
+    def discard(self, key: Key) -> None:
+        """Deletes ``key`` if it exists, in one request and without a result: for idempotent
+        deletes, where :meth:`delete_key`'s exactly-once read-modify-write (three requests on a
+        new lease) is not needed. Bounded by the store's timeout."""
+        request = etcdrpc.DeleteRangeRequest(key=self._k(key))
+        self._c().kv("DeleteRange", request, self._op_deadline(), "delete_key")
+
+    def delete_prefixes(self, prefixes: Sequence[Key],
+                        unless_prefix: Key | None = None) -> int | None:
+        """Deletes every key starting with one of ``prefixes`` in one transaction, and returns
+        how many; when ``unless_prefix`` is given and a key starting with it exists, deletes
+        nothing and returns None. Bounded by the store's timeout; a retry after a lost reply
+        may return 0 for keys it deleted."""
+        T = etcdrpc.Compare
+        compare = []
+        if unless_prefix is not None:
+            guard = self._k(unless_prefix)
+            compare.append(T(key=guard, range_end=range_end(guard), target=T.CREATE,
+                             result=T.EQUAL, create_revision=0))
+        deletes = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+            key=self._k(p), range_end=range_end(self._k(p)))) for p in prefixes]
+        reply = self._txn(self._op_deadline(), "delete_prefixes", compare, deletes)
+        if not reply.succeeded:
+            return None
+        return sum(int(r.response_delete_range.deleted) for r in reply.responses)
+
 
 # Each call is counted for elasticstore.client_call_stats() (backend "etcd"), under the native
 # client's operation names; compare_set, getNumKeys and deleteKey go through a counted method.
@@ -389,3 +355,6 @@ for _method, _op in (
 ):
     setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
 del _method, _op
+
+if TYPE_CHECKING:  # EtcdStore implements the store contract
+    _CONTRACT: type[KVStore] = EtcdStore

@@ -12,15 +12,13 @@ both name the same keys.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["PrefixStore"]
+from .api import Key, Timeout, Value
 
-Key = Union[str, bytes]
-Value = Union[str, bytes]
-Timeout = Union[timedelta, float, None]
+__all__ = ["PrefixStore"]
 
 
 class PrefixStore(dist.Store):

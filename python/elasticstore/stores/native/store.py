@@ -5,27 +5,22 @@ from __future__ import annotations
 import math
 import os
 import threading
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from . import _C, _keepalive
-from ._token import resolve_token
-from .errors import QueueEmptyError, StoreError
+from ... import _C
+from ...errors import QueueEmptyError, StoreError
+from ..api import DEFAULT_TIMEOUT, Key, KVStore, Timeout, Value, WatchEvent
+from ..keepalive import PARKED, park
+from .token import resolve_token
 
 if TYPE_CHECKING:
     from .server import StoreServer
 
 __all__ = ["Store", "WatchEvent"]
-
-Key = Union[str, bytes]
-Value = Union[str, bytes]
-Timeout = Union[timedelta, float, None]
-
-_DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
 def _seconds(timeout: timedelta | float) -> float:
@@ -54,24 +49,9 @@ def _as_bytes(value: Value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change of a watched key: ``kind`` is ``"set"`` or ``"delete"``; ``version`` is the
-    server revision of the change (pass it as ``after_version`` to get the next one)."""
-
-    kind: Literal["set", "delete"]
-    key: str
-    value: bytes
-    version: int
-
-
-# Keep-alive (see _keepalive.py): a store dropped by Python while torch's C++ side still holds it
-# parks itself in ``_PARKED`` (its connection closed; the next C++ call reconnects) and is
-# released once C++ lets it go; a store nothing else holds is freed. ``EtcdStore`` uses the same.
-_PARKED = _keepalive.PARKED
-_park = _keepalive.park
-
-
+# Keep-alive (see ../keepalive.py): a store dropped by Python while torch's C++ side still holds
+# it parks itself in ``PARKED`` (its connection closed; the next C++ call reconnects) and is
+# released once C++ lets it go; a store nothing else holds is freed. ``EtcdStore`` does the same.
 class Store(dist.Store):
     """A ``torch.distributed.Store`` backed by an elasticstore server.
 
@@ -99,7 +79,7 @@ class Store(dist.Store):
         host: str,
         port: int,
         *,
-        timeout: timedelta = _DEFAULT_TIMEOUT,
+        timeout: timedelta = DEFAULT_TIMEOUT,
         connect_timeout: timedelta | None = None,
         client_name: str = "",
         token: str | None = None,
@@ -146,7 +126,7 @@ class Store(dist.Store):
         except ValueError:
             raise ValueError(f"ELASTICSTORE_PORT={port_text!r} is not a port number") from None
         timeout_text = os.environ.get("ELASTICSTORE_TIMEOUT")
-        timeout = _env_timeout(timeout_text) if timeout_text else _DEFAULT_TIMEOUT
+        timeout = _env_timeout(timeout_text) if timeout_text else DEFAULT_TIMEOUT
         return cls(host, port, timeout=timeout, client_name=client_name)
 
     def allow_peers(self, addrs: list[str]) -> None:
@@ -158,14 +138,14 @@ class Store(dist.Store):
         client = self._client
         if client is not None:
             return client
-        with self._lock:  # parked (see _PARKED): reconnect on the first call
+        with self._lock:  # parked (see keepalive.PARKED): reconnect on the first call
             if self._closed:
                 raise StoreError(f"{self!r} is closed")
             if self._client is None:
                 self._client = self._connect()
             return self._client
 
-    def _host_server(self, server: StoreServer) -> None:
+    def host_server(self, server: StoreServer) -> None:
         """Ties ``server`` to this store: it serves as long as the store lives, closed with it."""
         self._server = server
 
@@ -175,7 +155,7 @@ class Store(dist.Store):
             self._closed = True
             client, self._client = self._client, None
             server, self._server = self._server, None
-        _PARKED.discard(self)
+        PARKED.discard(self)
         if client is not None:
             client.close()
         if server is not None:
@@ -186,7 +166,7 @@ class Store(dist.Store):
             if self._closed:
                 return
             client, self._client = self._client, None
-            if _park(self):  # resurrects self: torch's C++ side may still call it
+            if park(self):  # resurrects self: torch's C++ side may still call it
                 if client is not None:
                     client.close()
                 return
@@ -200,7 +180,7 @@ class Store(dist.Store):
             pass
 
     def _release_parked(self) -> None:
-        """Called once torch's C++ side let a parked store go (``_keepalive.sweep``): closes its
+        """Called once torch's C++ side let a parked store go (``keepalive.sweep``): closes its
         connection and a server it hosts. No lock: it may run inside a garbage collection."""
         self._closed = True
         client, self._client = self._client, None
@@ -388,3 +368,7 @@ class Store(dist.Store):
     def stats(self) -> dict[str, int]:
         """The server's counters (``revision``, ``keys``, ``connections``, ...)."""
         return dict(self._conn().stats())
+
+
+if TYPE_CHECKING:  # Store implements the store contract
+    _CONTRACT: type[KVStore] = Store

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import TracebackType
 
-from . import _C
-from ._token import resolve_token
+from ... import _C
+from .token import resolve_token
 from .server_limits import ServerLimits
 
 __all__ = ["LOG_LEVELS", "ServerConfig", "ServerLimits", "StoreServer", "format_address", "resolve_host"]

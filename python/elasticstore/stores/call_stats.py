@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import TypeVar
 
-from . import _C
-from .errors import QueueEmptyError, StoreNetworkError, StoreTimeoutError
+from .. import _C
+from ..errors import QueueEmptyError, StoreNetworkError, StoreTimeoutError
 
 __all__ = ["CLIENT_CALL_BUCKETS", "CLIENT_CALL_OUTCOMES", "ClientCallStats", "client_call_stats"]
 
