@@ -69,6 +69,14 @@ def test_without_the_extra_using_etcdstore_names_the_extra() -> None:
     assert "pip install elasticstore[etcd]" in out.stdout
 
 
+def test_the_old_module_path_names_the_same_class() -> None:
+    import elasticstore.etcd_store as old
+    from elasticstore.stores.etcd import AmbiguousOutcomeError, EtcdStore
+
+    assert old.EtcdStore is EtcdStore is elasticstore.EtcdStore
+    assert old.AmbiguousOutcomeError is AmbiguousOutcomeError is elasticstore.AmbiguousOutcomeError
+
+
 # -- layout, prefixes, transactions --------------------------------------------------------------
 
 

@@ -353,6 +353,26 @@ def test_ipv6_loopback() -> None:
         assert st.get("six") == b"6"
 
 
+def test_the_old_module_paths_name_the_same_objects() -> None:
+    import elasticstore.call_stats
+    import elasticstore.prefix_store
+    import elasticstore.server
+    import elasticstore.server_limits
+    import elasticstore.store
+    from elasticstore import stores
+    from elasticstore.stores import call_stats
+    from elasticstore.stores.native import server, server_limits
+
+    for old, new in ((elasticstore.store, stores.native.store), (elasticstore.server, server),
+                     (elasticstore.server_limits, server_limits),
+                     (elasticstore.call_stats, call_stats),
+                     (elasticstore.prefix_store, stores.prefix)):
+        assert old.__all__, old
+        for name in old.__all__:
+            assert getattr(old, name) is getattr(new, name), (old, name)
+    assert elasticstore.store.Store is Store and elasticstore.WatchEvent is stores.WatchEvent
+
+
 def test_public_names_and_timeout_setting(store: Store) -> None:
     assert set(elasticstore.__all__) <= set(dir(elasticstore))
     assert elasticstore.__version__

@@ -1,0 +1,5 @@
+"""The old path of :mod:`elasticstore.stores.prefix`."""
+
+from .stores.prefix import PrefixStore
+
+__all__ = ["PrefixStore"]
