@@ -318,6 +318,26 @@ def test_watch_versions_are_mod_revisions(store: elasticstore.EtcdStore) -> None
         store.watch("w", timeout=timedelta(seconds=0.3))
 
 
+def test_revision_discard_and_delete_prefixes(store: elasticstore.EtcdStore) -> None:
+    before = store.revision()
+    store.set("r", "1")
+    after = store.revision()
+    assert after > before
+    ev = store.watch("r", after_version=before, timeout=T5)  # watching from it sees the set
+    assert (ev.kind, ev.version) == ("set", after)
+    store.discard("r")
+    store.discard("r")  # idempotent: a missing key is no error
+    assert store.try_get("r") is None
+    store.multi_set(["run/a", "run/b", "status/a", "keep"], ["1", "2", "3", "4"])
+    store.set("alive/n1", "1")
+    assert store.delete_prefixes(["run/", "status/"], unless_prefix="alive/") is None
+    assert sorted(store.list_keys("")) == ["alive/n1", "keep", "run/a", "run/b", "status/a"]
+    store.discard("alive/n1")
+    assert store.delete_prefixes(["run/", "status/"], unless_prefix="alive/") == 3
+    assert store.list_keys("") == ["keep"]
+    assert store.delete_prefixes(["keep"]) == 1 and store.num_keys() == 0
+
+
 # -- endpoints and failover ------------------------------------------------------------------------
 
 

@@ -70,7 +70,9 @@ def _int64_amount(amount: int) -> int:
 
 
 class EtcdStore(EtcdWatchPart, EtcdSyncPart):
-    """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`.
+    """A ``torch.distributed.Store`` on etcd v3 with the method set of :class:`Store`: the store
+    contract (:class:`~elasticstore.stores.api.KVStore`), plus :meth:`revision`, :meth:`discard`
+    and :meth:`delete_prefixes`.
 
     ``endpoints``: ``"host:port"`` strings (or one comma-separated string); on a network error
     the store moves to the next one, bounded by the timeout. ``ca_cert`` (and ``cert``/``key``
