@@ -103,7 +103,7 @@ def instrument(peer: str) -> None:
     executor.Decider.run = decider_run  # type: ignore[method-assign]
     if peer == "elasticstore-etcd":
         import etcd_peer
-        from elasticstore import _etcd_client
+        from elasticstore.stores.etcd import client as etcd_client
 
         start_server = etcd_peer.start_server
 
@@ -120,7 +120,7 @@ def instrument(peer: str) -> None:
 
         etcd_peer.start_server = started
 
-        conn = _etcd_client.Connection
+        conn = etcd_client.Connection
         call = conn.call
 
         def counted_call(self: Any, fn: Any, deadline: Any, what: str, *a: Any) -> Any:

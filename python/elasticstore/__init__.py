@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import _C
-from .call_stats import ClientCallStats, client_call_stats
 from .errors import (
     AmbiguousOutcomeError,
     AuthenticationError,
@@ -22,19 +21,19 @@ from .errors import (
     WatchCompactedError,
 )
 from .init_method import register as _register_init_method
-from ._token import read_token_file
-from .prefix_store import PrefixStore
-from .server import ServerConfig, StoreServer
-from .server_limits import ServerLimits
-from .store import Store, WatchEvent
+from .stores.api import KVStore, WatchEvent
+from .stores.call_stats import ClientCallStats, client_call_stats
+from .stores.native import ServerConfig, ServerLimits, Store, StoreServer, read_token_file
+from .stores.prefix import PrefixStore
 
 if TYPE_CHECKING:  # for type checkers only: at run time EtcdStore is imported on first use
-    from .etcd_store import EtcdStore
+    from .stores.etcd import EtcdStore
 
 __all__ = [  # EtcdStore is public too, but lazy: not here, so `import *` never needs etcd3
     "AmbiguousOutcomeError",
     "QueueEmptyError",
     "AuthenticationError",
+    "KVStore",
     "PrefixStore",
     "ClientCallStats",
     "ServerConfig",
@@ -68,7 +67,7 @@ def __getattr__(name: str) -> object:
     # EtcdStore is imported on first use: ``import elasticstore`` never imports etcd3 or grpc;
     # without the extra, using it raises ImportError naming ``pip install elasticstore[etcd]``.
     if name == "EtcdStore":
-        from .etcd_store import EtcdStore
+        from .stores.etcd import EtcdStore
 
         return EtcdStore
     raise AttributeError(f"module 'elasticstore' has no attribute {name!r}")

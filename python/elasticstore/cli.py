@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 from .rendezvous import registry
-from .server_limits import add_limit_flags, limits_from_args
+from .stores.native.server_limits import add_limit_flags, limits_from_args
 
 __all__ = ["main"]
 
@@ -93,7 +93,7 @@ def _cidr(text: str) -> str:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    from ._token import read_token_file
+    from .stores.native.token import read_token_file
 
     return read_token_file(args.token_file) if args.token_file else None
 
@@ -229,7 +229,7 @@ def _job(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, StoreServer
+    from .stores.native.server import ServerConfig, StoreServer
 
     config = ServerConfig(
         host=args.host,
@@ -268,7 +268,7 @@ def _client(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
     from .ops.terminal import printable
-    from .store import Store
+    from .stores.native.store import Store
 
     host, port = args.addr
     wait = timedelta(seconds=args.timeout)

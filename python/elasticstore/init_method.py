@@ -15,7 +15,7 @@ Who serves the store:
   an address or a name of rank 0's machine (``0.0.0.0`` or ``::`` are not: clients need a real
   address; add ``?bind=0.0.0.0`` to listen on every interface while the others connect to
   ``host``); a name is resolved forward within the group's timeout. The server is tied to rank
-  0's store object, which torch keeps for the whole job (see ``_keepalive.py``): it serves until
+  0's store object, which torch keeps for the whole job (see ``keepalive.py``): it serves until
   torch lets the store go (``destroy_process_group``) and the store is released, at the latest
   when the scheme is initialised again in this process (so one URL can be used again, as with
   ``tcp://``), or until the process exits.
@@ -38,9 +38,9 @@ from urllib.parse import parse_qsl, urlparse
 from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.distributed.constants import default_pg_timeout
 
-from . import _keepalive
-from .server import StoreServer
-from .store import Store
+from .stores import keepalive
+from .stores.native.server import StoreServer
+from .stores.native.store import Store
 
 __all__ = ["SCHEME", "register"]
 
@@ -73,8 +73,8 @@ def _handler(
 
     # Stores of an earlier group torch released (destroy_process_group) let go of their
     # connections and servers now: this rank 0 may bind the same port again.
-    _keepalive.sweep()
-    if _keepalive.PARKED:
+    keepalive.sweep()
+    if keepalive.PARKED:
         gc.collect()  # torch's objects may hold a store in reference cycles (gc then sweeps)
     server = None
     if mode == "rank0" and rank == 0:
@@ -88,7 +88,7 @@ def _handler(
             server.close()
         raise
     if server is not None:
-        store._host_server(server)  # the server lives as long as the store torch holds
+        store.host_server(server)  # the server lives as long as the store torch holds
     yield (store, rank, world_size)
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
 

@@ -30,7 +30,7 @@ from elasticstore import (
     _C,
     client_call_stats,
 )
-from elasticstore.call_stats import CLIENT_CALL_BUCKETS, CLIENT_CALL_OUTCOMES
+from elasticstore.stores.call_stats import CLIENT_CALL_BUCKETS, CLIENT_CALL_OUTCOMES
 from paths import HELPERS
 
 Key = tuple[str, str]  # (backend, op)

@@ -25,7 +25,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticstore import Store, StoreNetworkError, StoreServer
-from elasticstore import store as store_module
+from elasticstore.stores import keepalive
 
 SLACK = 1.5  # seconds allowed past a timeout (loaded 2-core machine)
 
@@ -201,17 +201,17 @@ def test_forked_child_and_parent_never_share_a_connection(server: StoreServer) -
 
 
 def _parked_for(port: int) -> int:
-    return sum(1 for s in list(store_module._PARKED) if getattr(s, "port", None) == port)
+    return sum(1 for s in list(keepalive.PARKED) if getattr(s, "port", None) == port)
 
 
 def test_dropped_clones_are_freed_not_parked(server: StoreServer) -> None:
     store = Store(server.host, server.port)
     try:
-        before = len(store_module._PARKED)
+        before = len(keepalive.PARKED)
         for _ in range(500):
             store.clone()  # dropped at once, never closed
         gc.collect()
-        assert len(store_module._PARKED) == before
+        assert len(keepalive.PARKED) == before
         spawned.wait_until(lambda: server.stats()["connections"] == 1, 10, "the clones to close")
     finally:
         store.close()

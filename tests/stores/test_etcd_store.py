@@ -69,6 +69,14 @@ def test_without_the_extra_using_etcdstore_names_the_extra() -> None:
     assert "pip install elasticstore[etcd]" in out.stdout
 
 
+def test_the_old_module_path_names_the_same_class() -> None:
+    import elasticstore.etcd_store as old
+    from elasticstore.stores.etcd import AmbiguousOutcomeError, EtcdStore
+
+    assert old.EtcdStore is EtcdStore is elasticstore.EtcdStore
+    assert old.AmbiguousOutcomeError is AmbiguousOutcomeError is elasticstore.AmbiguousOutcomeError
+
+
 # -- layout, prefixes, transactions --------------------------------------------------------------
 
 
@@ -123,7 +131,7 @@ class _LostReplies:
         import grpc
         from etcd3 import etcdrpc
 
-        from elasticstore import _etcd_client
+        from elasticstore.stores.etcd import client as etcd_client
 
         real_stub = etcdrpc.KVStub
         state = {"left": count}
@@ -150,7 +158,7 @@ class _LostReplies:
                     raise Lost()
                 return reply
 
-        monkeypatch.setattr(_etcd_client.etcdrpc, "KVStub", Stub)
+        monkeypatch.setattr(etcd_client.etcdrpc, "KVStub", Stub)
         self.state = state
 
 
@@ -176,7 +184,7 @@ def test_a_lost_reply_then_an_ended_lease_is_never_applied_twice(
     """add() commits, its reply is lost, and the lease holding the operation marker ends before
     the retry: the retry cannot tell whether the add applied. It must not apply it again; it
     raises AmbiguousOutcomeError naming the call and the key. The store stays usable."""
-    from elasticstore.etcd_store import AmbiguousOutcomeError
+    from elasticstore.stores.etcd import AmbiguousOutcomeError
 
     assert store.add("counter", 0) == 0  # the store's lease and marker exist
     lease = store._s()[1].lease_id(None)
@@ -308,6 +316,26 @@ def test_watch_versions_are_mod_revisions(store: elasticstore.EtcdStore) -> None
     assert ev.key == "dir/x"
     with pytest.raises(StoreTimeoutError, match="no change"):
         store.watch("w", timeout=timedelta(seconds=0.3))
+
+
+def test_revision_discard_and_delete_prefixes(store: elasticstore.EtcdStore) -> None:
+    before = store.revision()
+    store.set("r", "1")
+    after = store.revision()
+    assert after > before
+    ev = store.watch("r", after_version=before, timeout=T5)  # watching from it sees the set
+    assert (ev.kind, ev.version) == ("set", after)
+    store.discard("r")
+    store.discard("r")  # idempotent: a missing key is no error
+    assert store.try_get("r") is None
+    store.multi_set(["run/a", "run/b", "status/a", "keep"], ["1", "2", "3", "4"])
+    store.set("alive/n1", "1")
+    assert store.delete_prefixes(["run/", "status/"], unless_prefix="alive/") is None
+    assert sorted(store.list_keys("")) == ["alive/n1", "keep", "run/a", "run/b", "status/a"]
+    store.discard("alive/n1")
+    assert store.delete_prefixes(["run/", "status/"], unless_prefix="alive/") == 3
+    assert store.list_keys("") == ["keep"]
+    assert store.delete_prefixes(["keep"]) == 1 and store.num_keys() == 0
 
 
 # -- endpoints and failover ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""EtcdStore.watch over kept-open streams (``_etcd_watch``) and channels shared by the stores of
-a process (``_etcd_client._POOL``), on a real etcd member: a caller looping on
-``after_version = event.version`` reads one stream, sees every change in order (the changes of
-one transaction included), and ``close()`` still ends a watch blocked in another thread."""
+"""EtcdStore.watch over kept-open streams (``stores/etcd/watch.py``) and channels shared by the
+stores of a process (``_POOL`` in ``stores/etcd/client.py``), on a real etcd member: a caller
+looping on ``after_version = event.version`` reads one stream, sees every change in order (the
+changes of one transaction included), and ``close()`` still ends a watch blocked in another
+thread."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import etcd_cluster
 import pytest
 
 import elasticstore
-from elasticstore import StoreError, StoreTimeoutError, _etcd_client, _etcd_watch
+from elasticstore import StoreError, StoreTimeoutError
+from elasticstore.stores.etcd import client as etcd_client, watch as etcd_watch
 
 T5 = timedelta(seconds=5)
 
@@ -34,13 +36,13 @@ def store(etcd: etcd_cluster.Cluster) -> Iterator[elasticstore.EtcdStore]:
 def streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the watch streams opened (the real method runs)."""
     opened: list[int] = []
-    real = _etcd_client.Connection.watch_stream
+    real = etcd_client.Connection.watch_stream
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         opened.append(1)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_etcd_client.Connection, "watch_stream", counted)
+    monkeypatch.setattr(etcd_client.Connection, "watch_stream", counted)
     return opened
 
 
@@ -128,7 +130,7 @@ def test_close_ends_a_watch_blocked_in_another_thread(etcd: etcd_cluster.Cluster
 def test_a_cursor_nobody_reads_gives_up_its_stream(
     store: elasticstore.EtcdStore, streams: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_etcd_watch, "MAX_BUFFERED", 5)
+    monkeypatch.setattr(etcd_watch, "MAX_BUFFERED", 5)
     store.set("b/0", "0")
     first = store.watch("b/", after_version=0, timeout=T5, prefix=True)
     for i in range(1, 20):

@@ -24,7 +24,7 @@ from elasticstore import (
     WatchCompactedError,
     WatchEvent,
 )
-from elasticstore import store as store_module
+from elasticstore.stores import keepalive
 
 SHORT = timedelta(seconds=1)
 SLACK = 1.0
@@ -353,6 +353,26 @@ def test_ipv6_loopback() -> None:
         assert st.get("six") == b"6"
 
 
+def test_the_old_module_paths_name_the_same_objects() -> None:
+    import elasticstore.call_stats
+    import elasticstore.prefix_store
+    import elasticstore.server
+    import elasticstore.server_limits
+    import elasticstore.store
+    from elasticstore import stores
+    from elasticstore.stores import call_stats
+    from elasticstore.stores.native import server, server_limits
+
+    for old, new in ((elasticstore.store, stores.native.store), (elasticstore.server, server),
+                     (elasticstore.server_limits, server_limits),
+                     (elasticstore.call_stats, call_stats),
+                     (elasticstore.prefix_store, stores.prefix)):
+        assert old.__all__, old
+        for name in old.__all__:
+            assert getattr(old, name) is getattr(new, name), (old, name)
+    assert elasticstore.store.Store is Store and elasticstore.WatchEvent is stores.WatchEvent
+
+
 def test_public_names_and_timeout_setting(store: Store) -> None:
     assert set(elasticstore.__all__) <= set(dir(elasticstore))
     assert elasticstore.__version__
@@ -383,7 +403,7 @@ def test_dropped_store_parks_and_keeps_serving_torch(server: StoreServer) -> Non
     # Only torch's C++ PrefixStore holds the store now: it is parked, its connection closed.
     spawned.wait_until(lambda: server.stats()["connections"] == 0, 10, "the parked connection")
     parked = [
-        s for s in store_module._PARKED if isinstance(s, Store) and s.port == server.port
+        s for s in keepalive.PARKED if isinstance(s, Store) and s.port == server.port
     ]
     assert len(parked) == 1
     # C++ calls still reach the Python methods (reconnecting once).
@@ -392,13 +412,13 @@ def test_dropped_store_parks_and_keeps_serving_torch(server: StoreServer) -> Non
     assert prefix.add("n", 2) == 2
     assert server.stats()["connections"] == 1
     parked[0].close()
-    assert parked[0] not in store_module._PARKED
+    assert parked[0] not in keepalive.PARKED
     spawned.wait_until(lambda: server.stats()["connections"] == 0, 10, "the connection to close")
 
 
 def test_closed_store_is_not_parked(server: StoreServer) -> None:
-    before = len(store_module._PARKED)
+    before = len(keepalive.PARKED)
     with Store(server.host, server.port):
         pass
     gc.collect()
-    assert len(store_module._PARKED) == before
+    assert len(keepalive.PARKED) == before

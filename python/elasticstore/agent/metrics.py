@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..call_stats import CLIENT_CALL_BUCKETS, client_call_stats
+from ..stores.call_stats import CLIENT_CALL_BUCKETS, client_call_stats
 
 __all__ = ["AgentMetrics"]
 

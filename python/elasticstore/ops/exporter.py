@@ -15,7 +15,7 @@ __all__ = ["serve_server_metrics", "serve_stats_metrics"]
 
 def _remote_stats(host: str, port: int, timeout: float) -> Callable[[], dict[str, int]]:
     """Reads a server's counters over one connection, made again after a failure."""
-    from ..store import Store
+    from ..stores.native.store import Store
 
     wait = timedelta(seconds=timeout)
     held: list[Store] = []

@@ -48,21 +48,11 @@ def _forget_native(store: Any, keys: Keys, addr: JobAddress, force: bool) -> int
 
 
 def _forget_etcd(store: Any, keys: Keys, addr: JobAddress, force: bool) -> int:
-    from etcd3 import etcdrpc
-
-    from .._etcd_txn import _range_end
-
-    T = etcdrpc.Compare
-    alive = store._k(keys.alive_prefix)
-    nobody = [] if force else [T(key=alive, range_end=_range_end(alive), target=T.CREATE,
-                                 result=T.EQUAL, create_revision=0)]
-    deletes = [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
-        key=store._k(prefix), range_end=_range_end(store._k(prefix))))
-        for prefix in (keys.base, keys.status_prefix)]
-    reply = store._txn(store._op_deadline(), "forget", nobody, deletes)
-    if not reply.succeeded:
+    deleted: int | None = store.delete_prefixes(
+        [keys.base, keys.status_prefix], unless_prefix=None if force else keys.alive_prefix)
+    if deleted is None:
         raise _alive_error(addr, store.list_keys(keys.alive_prefix))
-    return sum(int(r.response_delete_range.deleted) for r in reply.responses)
+    return deleted
 
 
 def forget_run(addr: JobAddress, force: bool = False) -> int:

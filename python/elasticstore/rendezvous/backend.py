@@ -1,16 +1,17 @@
 """The small interface the handler needs from a store: versioned reads, compare-and-set,
-watch, session-bound (liveness) keys. :class:`StoreBackend` implements it over any store with
-elasticstore's method set (``Store``, ``EtcdStore``); subclasses supply the current revision.
+watch, session-bound (liveness) keys. :class:`StoreBackend` implements it over any store of
+the store contract (:class:`~elasticstore.stores.api.KVStore`: ``Store``, ``EtcdStore``);
+subclasses supply the current revision.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 from ..errors import StoreTimeoutError
-from ..store import WatchEvent
+from ..stores.api import KVStore, WatchEvent
 
 __all__ = ["KeepFresh", "StoreBackend"]
 
@@ -23,7 +24,10 @@ class KeepFresh(Protocol):
     def stop(self) -> None: ...
 
 
-class StoreBackend(ABC):
+S = TypeVar("S", bound=KVStore)
+
+
+class StoreBackend(ABC, Generic[S]):
     """One connection (one session) to the rendezvous store.
 
     ``name`` is the registered backend name; ``endpoint`` names the store in error messages.
@@ -36,7 +40,7 @@ class StoreBackend(ABC):
     needs_heartbeat: bool = False
     server: Any = None  # the rendezvous server this backend's process hosts (native), if any
 
-    def __init__(self, store: Any, endpoint: str) -> None:
+    def __init__(self, store: S, endpoint: str) -> None:
         self.store = store
         self.endpoint = endpoint
 

@@ -8,36 +8,32 @@ TTL/3): a dead or cut-off agent's keys vanish within the TTL. Several endpoints,
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .backend import StoreBackend
 from .settings import RendezvousSettings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # at run time imported on first use (the elasticstore[etcd] extra)
+    from ..stores.etcd import EtcdStore
     from .handler import ElasticRendezvousHandler
 
 __all__ = ["EtcdBackend", "create_etcd_backend", "etcd_handler"]
 
 
-class EtcdBackend(StoreBackend):
+class EtcdBackend(StoreBackend["EtcdStore"]):
     name = "elasticstore-etcd"
 
-    def __init__(self, store: Any, endpoint: str, settings: RendezvousSettings) -> None:
+    def __init__(self, store: EtcdStore, endpoint: str, settings: RendezvousSettings) -> None:
         super().__init__(store, endpoint)
         self._settings = settings
 
     def revision(self) -> int:
-        # EtcdStore has no public "current revision": an empty read gives its header's.
-        return int(self.store._read([], self.store._op_deadline(), "revision")[1])
+        return self.store.revision()
 
     def delete(self, key: str) -> None:
         # One DeleteRange: the handler's deletes are idempotent and need no result, so not the
         # exactly-once read-modify-write of EtcdStore.delete_key (3 requests on a new lease).
-        from etcd3 import etcdrpc
-
-        store = self.store
-        store._c().kv("DeleteRange", etcdrpc.DeleteRangeRequest(key=store._k(key)),
-                      store._op_deadline(), "delete_key")
+        self.store.discard(key)
 
     def clone(self) -> EtcdBackend:
         return EtcdBackend(self.store.clone(), self.endpoint, self._settings)
@@ -45,7 +41,7 @@ class EtcdBackend(StoreBackend):
 
 def create_etcd_backend(settings: RendezvousSettings, endpoints: str | None = None) -> EtcdBackend:
     """The backend on ``endpoints`` (comma-separated members; default: the settings' members)."""
-    from ..etcd_store import EtcdStore
+    from ..stores.etcd import EtcdStore  # noqa: F811 (the run-time import)
 
     endpoints = endpoints or ",".join(settings.endpoints) or settings.endpoint
     timeout = timedelta(seconds=settings.store_timeout)

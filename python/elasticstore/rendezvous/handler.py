@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ..errors import StoreNetworkError
-from ..server import StoreServer
-from ..store import Store
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
 from . import decisions
 from .agent_side import AgentSide
 from .backend import StoreBackend

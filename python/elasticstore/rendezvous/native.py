@@ -14,8 +14,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ..errors import StoreNetworkError
-from ..server import StoreServer
-from ..store import Store
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
 from .settings import RendezvousSettings
 
@@ -30,7 +30,7 @@ _PROBE = timedelta(seconds=0.5)
 RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost server
 
 
-class NativeBackend(StoreBackend):
+class NativeBackend(StoreBackend[Store]):
     name = "elasticstore"
     needs_heartbeat = True  # the server keeps a silent session open (no lease on sessions)
 

@@ -39,7 +39,7 @@ from functools import cached_property
 from typing import Any
 
 from .._conf import unquote_config
-from .._token import read_token_file
+from ..stores.native.token import read_token_file
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host", "parse_endpoint",
            "settings_from_params"]

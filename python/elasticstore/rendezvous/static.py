@@ -18,9 +18,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from .._token import resolve_token
-from ..server import StoreServer
-from ..store import Store
+from ..stores.native.token import resolve_token
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
 from .worker_store import local_addr
 from .settings import RendezvousSettings
 

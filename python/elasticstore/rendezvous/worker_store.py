@@ -11,8 +11,8 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeoutError
 
 from ..errors import AuthenticationError, StoreNetworkError, StoreTimeoutError, WatchCompactedError
-from ..server import StoreServer
-from ..store import Store
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
 from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import AgentKeys, Keys, NodeId, RoundState

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from . import _C
+from ... import _C
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "read_token_file", "resolve_token"]
 

@@ -22,18 +22,18 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
 
-from ._etcd_client import Connection, remaining, retriable
-from ._etcd_txn import _Reread
-from .errors import StoreError, StoreTimeoutError, WatchCompactedError
+from ...errors import StoreError, StoreTimeoutError, WatchCompactedError
+from .base import EtcdStoreBase, Reread
+from .client import Connection, remaining, retriable
 
 MAX_BUFFERED = 4096  # events one cursor holds for later calls before it gives up its stream
 MAX_CURSORS = 4  # open cursors per store
-_RETRY_PAUSE = 0.02  # seconds before reopening after a broken stream (as _etcd_txn._stream)
+_RETRY_PAUSE = 0.02  # seconds before reopening after a broken stream (as txn._stream)
 
 
 class _Closed(Exception):
@@ -58,7 +58,7 @@ class WatchCursor:
         except grpc.RpcError as exc:  # authenticating on that endpoint failed
             conn.stream_failed(exc)
             time.sleep(_RETRY_PAUSE)
-            raise _Reread() from None
+            raise Reread() from None
         self._thread = threading.Thread(target=self._read, args=(responses,), daemon=True,
                                         name="elasticstore-etcd-watch")
         self._thread.start()
@@ -77,21 +77,21 @@ class WatchCursor:
                     break
                 if reply.canceled:  # e.g. "no leader" (hasleader): read again elsewhere
                     self._conn.stream_failed(None, self._index)
-                    error = _Reread()
+                    error = Reread()
                     break
                 if reply.events:
                     with self._cond:
                         # Nobody reads: give up (the next call reopens). A reply into an
                         # empty buffer is always taken, so every reopened stream progresses.
                         if self._events and len(self._events) + len(reply.events) > MAX_BUFFERED:
-                            error = _Reread()
+                            error = Reread()
                             break
                         self._events.extend(reply.events)
                         self._cond.notify_all()
             else:
                 if not self._closed:
                     self._conn.stream_failed(None, self._index)
-                error = _Reread()
+                error = Reread()
         except grpc.RpcError as exc:
             if self._closed:
                 error = _Closed()
@@ -99,7 +99,7 @@ class WatchCursor:
                 error = StoreError(f"etcd watch: {exc.code().name}: {exc.details()}")
             else:
                 self._conn.stream_failed(exc, self._index)
-                error = _Reread()
+                error = Reread()
         except Exception as exc:  # noqa: BLE001 (handed to the caller)
             error = exc
         with self._cond:
@@ -110,7 +110,7 @@ class WatchCursor:
 
     def next(self, after: int, deadline: float | None) -> Any:
         """The first event after revision ``after`` (the caller's position, at or past this
-        cursor's). Raises StoreTimeoutError at ``deadline``; _Reread, WatchCompactedError or
+        cursor's). Raises StoreTimeoutError at ``deadline``; Reread, WatchCompactedError or
         StoreError when the stream ended (after the events it delivered)."""
         with self._cond:
             while True:
@@ -141,11 +141,8 @@ class WatchCursor:
         self._cancel()
 
 
-class EtcdWatchMixin:
-    """``_watch_next`` for :class:`EtcdStore`, over a few :class:`WatchCursor`."""
-
-    if TYPE_CHECKING:
-        def _c(self) -> Connection: ...
+class EtcdWatchPart(EtcdStoreBase):
+    """``_watch_next`` of :class:`~elasticstore.EtcdStore`, over a few :class:`WatchCursor`."""
 
     def _init_cursors(self) -> None:
         self._cursor_lock = threading.Lock()
@@ -194,11 +191,11 @@ class EtcdWatchMixin:
                     raise StoreTimeoutError("deadline")
                 try:
                     cursor = WatchCursor(self._c(), key, end, after + 1)
-                except _Reread:
+                except Reread:
                     continue
             try:
                 return cursor.next(after, deadline)
-            except _Reread:
+            except Reread:
                 time.sleep(_RETRY_PAUSE)  # a new stream from ``after`` (the deadline first)
             except _Closed:
                 pass  # the store was closed: opening a new stream raises that

@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 import grpc
 from etcd3 import etcdrpc
 
-from .errors import StoreError, StoreNetworkError
+from ...errors import StoreError, StoreNetworkError
 
 T = TypeVar("T")
 
 # Seconds one unary attempt may take before the next endpoint is tried. A request forwarded by
 # a follower whose leader died is never answered until etcd's own request timeout (> 5 s): this
-# cap bounds that stall. A retried mutation is safe (exactly-once, see etcd_store).
+# cap bounds that stall. A retried mutation is safe (exactly-once, see txn.py).
 ATTEMPT_CAP = 1.0
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}

@@ -1,4 +1,4 @@
-"""The etcd mechanics under :class:`~elasticstore.EtcdStore` (a mixin): exactly-once
+"""The etcd mechanics under :class:`~elasticstore.EtcdStore` (a part of it): exactly-once
 read-modify-write transactions and waiting by a watch from the revision of a read.
 
 Read-modify-write (``_rmw``): read the key (value, ``mod_revision``), compute, and commit only
@@ -29,62 +29,29 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
 
-from ._etcd_client import Connection, LeaseKeeper, remaining, retriable
-from .errors import AmbiguousOutcomeError, StoreError, StoreTimeoutError, WatchCompactedError
+from ...errors import AmbiguousOutcomeError, StoreError, StoreTimeoutError, WatchCompactedError
+from ..api import Timeout
+from .base import DELETE, EtcdStoreBase, Reread, deadline as deadline_of
+from .client import LeaseKeeper, remaining, retriable
 
-Key = Union[str, bytes]
-Value = Union[str, bytes]
-Timeout = Union[timedelta, float, None]
 _GONE = object()
-_PUT, _DELETE = 0, 1  # mvccpb.Event.EventType
-
-
-def _b(value: Key) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
-def _range_end(prefix: bytes) -> bytes:
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end[: len(end)])
-        end.pop()
-    return b"\x00"
 
 
 def _op_range(key: bytes, **kw: Any) -> Any:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key, **kw))
 
 
-def _deadline(timeout: Timeout) -> float | None:
-    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-    return time.monotonic() + secs if secs > 0 else None
-
-
 _MARKER_START = b"0"  # a marker on a new lease (operations write "{seq}.{attempt}", seq >= 1)
 
 
-class _Reread(Exception):
-    """The watch cannot continue (stream broke, compaction, no leader): read again."""
-
-
-class EtcdTxnMixin:
-    """Needs from the host: ``_s()`` (connection, lease keeper), ``_c()``, ``_name(key)``,
-    ``timeout``, ``_op_deadline()``, and the marker state set up by :meth:`_init_marker`."""
-
-    if TYPE_CHECKING:
-        timeout: timedelta
-
-        def _s(self) -> tuple[Connection, LeaseKeeper]: ...
-        def _c(self) -> Connection: ...
-        def _name(self, full: bytes) -> str: ...
-        def _op_deadline(self) -> float | None: ...
+class EtcdTxnPart(EtcdStoreBase):
+    """The transactions and waits of :class:`~elasticstore.EtcdStore` (see the module doc), over
+    the marker state set up by :meth:`_init_marker`."""
 
     def _init_marker(self, marker_key: bytes) -> None:
         import threading
@@ -222,7 +189,7 @@ class EtcdTxnMixin:
               timeout: Timeout, what: str) -> dict[bytes, Any]:
         """Reads ``keys``; until ``ready(kvs)``, watches them from the read revision + 1."""
         timeout = self.timeout if timeout is None else timeout
-        deadline, start = _deadline(timeout), time.monotonic()
+        deadline, start = deadline_of(timeout), time.monotonic()
         while True:
             kvs, revision = self._read(keys, deadline, what)
             if ready(kvs):
@@ -232,13 +199,13 @@ class EtcdTxnMixin:
             try:
                 for events in self._stream(creates, deadline):
                     for ev in events:
-                        if ev.type == _DELETE:
+                        if ev.type == DELETE:
                             kvs.pop(ev.kv.key, None)
                         else:
                             kvs[ev.kv.key] = ev.kv
                     if ready(kvs):
                         return kvs
-            except (_Reread, WatchCompactedError):
+            except (Reread, WatchCompactedError):
                 continue
             except StoreTimeoutError:
                 secs = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
@@ -249,7 +216,7 @@ class EtcdTxnMixin:
                     f"{time.monotonic() - start:.3f}s (timeout {secs}s)") from None
 
     def _stream(self, creates: list[Any], deadline: float | None) -> Iterable[list[Any]]:
-        """Event batches of one watch stream; raises _Reread or StoreTimeoutError (deadline)."""
+        """Event batches of one watch stream; raises Reread or StoreTimeoutError (deadline)."""
         conn = self._c()
         left = remaining(deadline)
         if left is not None and left <= 0:
@@ -259,7 +226,7 @@ class EtcdTxnMixin:
         except grpc.RpcError as exc:  # authenticating on that endpoint failed
             conn.stream_failed(exc)
             time.sleep(0.02)
-            raise _Reread() from None
+            raise Reread() from None
         try:
             for reply in responses:
                 if reply.compact_revision:
@@ -267,11 +234,11 @@ class EtcdTxnMixin:
                 if reply.canceled:  # e.g. "no leader" (hasleader): read again elsewhere
                     conn.stream_failed(None, index)
                     time.sleep(0.02)
-                    raise _Reread()
+                    raise Reread()
                 if reply.events:
                     yield list(reply.events)
             conn.stream_failed(None, index)
-            raise _Reread()
+            raise Reread()
         except grpc.RpcError as exc:
             left = remaining(deadline)
             if left is not None and left <= 0.01:
@@ -280,7 +247,7 @@ class EtcdTxnMixin:
                 raise StoreError(f"etcd watch: {exc.code().name}: {exc.details()}") from None
             conn.stream_failed(exc, index)
             time.sleep(0.02)
-            raise _Reread() from None
+            raise Reread() from None
         finally:
             cancel()
 

@@ -1,4 +1,4 @@
-"""Barrier and queues of :class:`~elasticstore.EtcdStore` (a mixin over ``EtcdTxnMixin``).
+"""Barrier and queues of :class:`~elasticstore.EtcdStore` (a part of it, over ``txn``).
 
 Barrier, as the native server's (``csrc/kv_waiters.cpp``): ``{prefix}/sys/barrier/{key}`` holds
 ``"{generation} {arrived} {world_size}"`` (never bound to a lease). An arrival is one exactly-once
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from etcd3 import etcdrpc
 
-from ._etcd_txn import _GONE, _PUT, EtcdTxnMixin, Key, Timeout, Value, _b, _deadline, _range_end
-from ._etcd_txn import _Reread
-from .errors import QueueEmptyError, StoreError, StoreTimeoutError, WatchCompactedError
+from ...errors import QueueEmptyError, StoreError, StoreTimeoutError, WatchCompactedError
+from ..api import Key, Timeout, Value
+from .base import PUT, Reread, deadline as deadline_of, range_end, to_bytes
+from .txn import _GONE, EtcdTxnPart
 
 
 def _barrier_state(kv: Any) -> tuple[int, int, int]:
@@ -41,10 +42,8 @@ def _barrier_value(generation: int, arrived: int, world_size: int) -> bytes:
     return f"{generation} {arrived} {world_size}".encode()
 
 
-class EtcdSyncMixin(EtcdTxnMixin):
-    if TYPE_CHECKING:
-        _q: bytes
-        _sys: bytes
+class EtcdSyncPart(EtcdTxnPart):
+    """Barrier and queues of :class:`~elasticstore.EtcdStore` (see the module doc)."""
 
     def barrier(self, key: Key, world_size: int, timeout: Timeout = None) -> int:  # type: ignore[override]
         """Blocks until ``world_size`` participants reached barrier ``key``; returns the
@@ -52,7 +51,7 @@ class EtcdSyncMixin(EtcdTxnMixin):
         n = int(world_size)
         if n < 1:
             raise ValueError("barrier: world_size must be >= 1")
-        record = self._sys + b"barrier/" + _b(key)
+        record = self._sys + b"barrier/" + to_bytes(key)
 
         def arrive(kv: Any) -> tuple[tuple[Any, ...], tuple[int, bool]]:
             generation, arrived, size = _barrier_state(kv)
@@ -85,17 +84,17 @@ class EtcdSyncMixin(EtcdTxnMixin):
     # -- queues ----------------------------------------------------------------------------------
 
     def _qkey(self, key: Key) -> bytes:
-        return self._q + _b(key) + b"\x00"
+        return self._q + to_bytes(key) + b"\x00"
 
     def queue_push(self, key: Key, value: Value) -> None:  # type: ignore[override]
         """Appends ``value`` (an item key of its own: a retried push cannot duplicate it)."""
         item = self._qkey(key) + uuid.uuid4().hex.encode()
-        self._c().kv("Put", etcdrpc.PutRequest(key=item, value=_b(value)), self._op_deadline(),
-                     "queue_push")
+        self._c().kv("Put", etcdrpc.PutRequest(key=item, value=to_bytes(value)),
+                     self._op_deadline(), "queue_push")
 
     def queue_len(self, key: Key) -> int:  # type: ignore[override]
         base = self._qkey(key)
-        request = etcdrpc.RangeRequest(key=base, range_end=_range_end(base), count_only=True)
+        request = etcdrpc.RangeRequest(key=base, range_end=range_end(base), count_only=True)
         return int(self._c().kv("Range", request, self._op_deadline(), "queue_len").count)
 
     def queue_pop(self, key: Key, block: bool = True, timeout: Timeout = None) -> bytes:  # type: ignore[override]
@@ -103,10 +102,10 @@ class EtcdSyncMixin(EtcdTxnMixin):
         default) waits up to ``timeout``; otherwise raises ``QueueEmptyError`` at once."""
         base = self._qkey(key)
         timeout = self.timeout if timeout is None else timeout
-        deadline, start = _deadline(timeout), time.monotonic()
+        deadline, start = deadline_of(timeout), time.monotonic()
         R = etcdrpc.RangeRequest
         while True:
-            request = R(key=base, range_end=_range_end(base), limit=1,
+            request = R(key=base, range_end=range_end(base), limit=1,
                         sort_order=R.ASCEND, sort_target=R.CREATE)
             reply = self._c().kv("Range", request, deadline, "queue_pop")
             if reply.kvs:
@@ -117,13 +116,13 @@ class EtcdSyncMixin(EtcdTxnMixin):
                 continue
             if not block:
                 raise QueueEmptyError(f"queue {key!r} is empty")
-            create = etcdrpc.WatchCreateRequest(key=base, range_end=_range_end(base),
+            create = etcdrpc.WatchCreateRequest(key=base, range_end=range_end(base),
                                                 start_revision=reply.header.revision + 1)
             try:
                 for events in self._stream([create], deadline):
-                    if any(ev.type == _PUT for ev in events):
+                    if any(ev.type == PUT for ev in events):
                         break
-            except (_Reread, WatchCompactedError):
+            except (Reread, WatchCompactedError):
                 continue
             except StoreTimeoutError:
                 raise StoreTimeoutError(
