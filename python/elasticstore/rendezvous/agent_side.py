@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 
 from torch.distributed.elastic.rendezvous import RendezvousInfo
 
-from ..server import StoreServer
+from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, wait_alone
 from .settings import RendezvousSettings

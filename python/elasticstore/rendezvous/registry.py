@@ -114,7 +114,7 @@ class Backend:
 
 
 def connect_native(target: StoreTarget) -> Any:
-    from ..store import Store
+    from ..stores.native.store import Store
     from .settings import parse_endpoint
 
     wait = timedelta(seconds=target.timeout)
@@ -123,7 +123,7 @@ def connect_native(target: StoreTarget) -> Any:
 
 
 def connect_etcd(target: StoreTarget) -> Any:
-    from ..etcd_store import EtcdStore
+    from ..stores.etcd import EtcdStore
 
     wait = timedelta(seconds=target.timeout)
     return EtcdStore(target.endpoint, prefix=target.etcd_prefix, timeout=wait, connect_timeout=wait,
