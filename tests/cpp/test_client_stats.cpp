@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "check.hpp"
-#include "client.hpp"
-#include "client_stats.hpp"
-#include "server.hpp"
+#include "client/client.hpp"
+#include "client/stats.hpp"
+#include "server/server.hpp"
 
 using namespace elasticstore;
 namespace cs = elasticstore::call_stats;

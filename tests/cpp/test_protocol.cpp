@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "check.hpp"
-#include "protocol.hpp"
+#include "wire/protocol.hpp"
 
 using namespace elasticstore;
 

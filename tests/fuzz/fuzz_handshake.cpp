@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "connection.hpp"
+#include "server/connection.hpp"
 #include "fuzz_common.hpp"
 
 using namespace elasticstore;
