@@ -131,7 +131,7 @@ struct CallSubject {
 };
 
 // ---- the client -------------------------------------------------------------------------------
-class ClientTransport;  // client_transport.hpp
+class ClientTransport;  // client/transport.hpp
 
 // Thread-safe: one mutex serializes calls on the connection (use clone() for parallel calls).
 // A thread waiting for the mutex polls interrupt_check too (InterruptedError without closing the
@@ -204,7 +204,7 @@ class Client {
   // Takes mu_ for one call, polling interrupt_check and close() while another call holds it.
   std::unique_lock<std::timed_mutex> lock_call();
 
-  // One call in progress: holds mu_ and, when it ends, adds the call to call_stats (client_stats.hpp)
+  // One call in progress: holds mu_ and, when it ends, adds the call to call_stats (client/stats.hpp)
   // with its time since start_call(): Ok when it returned, failure_ when it threw.
   class Call {
    public:
@@ -225,7 +225,7 @@ class Client {
   Call start_call(Op op);
 
   // Connection management (all *_locked methods need mu_ held). The socket, connecting with
-  // backoff and waiting against deadlines are the transport's (client_transport.hpp).
+  // backoff and waiting against deadlines are the transport's (client/transport.hpp).
   void connect_locked(Timeout timeout);
   void handshake_locked(Clock::time_point deadline);
   void authenticate_locked(Clock::time_point deadline, const std::string& client_nonce,

@@ -1,4 +1,4 @@
-// See client_heartbeat.hpp.
+// See heartbeat.hpp.
 #include "client/heartbeat.hpp"
 
 #include <utility>

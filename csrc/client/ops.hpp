@@ -1,5 +1,5 @@
 // Internal to the client's .cpp files: limits, argument checks and message helpers shared by the
-// operations (client_ops.cpp, client_blocking_ops.cpp) and the exchange (client.cpp).
+// operations (ops.cpp, blocking_ops.cpp) and the exchange (client.cpp).
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,4 @@
-// Small helpers of the client (client_detail in client_transport.hpp): error texts, time
+// Small helpers of the client (client_detail in transport.hpp): error texts, time
 // formatting, deadlines, the fork() counter and random seeds.
 #include <pthread.h>
 #include <sys/random.h>

@@ -1,5 +1,5 @@
 // The server's lifecycle and public API: construction (bind, listen), start/stop, statistics.
-// Accepting is in server_accept.cpp, the connections' events in server_conns.cpp.
+// Accepting is in accept.cpp, the connections' events in conns.cpp.
 #include "server/server.hpp"
 
 #include <arpa/inet.h>

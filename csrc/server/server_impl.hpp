@@ -1,7 +1,7 @@
 // Server::Impl, the server's state on its event-loop thread, shared by its parts:
-//   server.cpp        construction, start/stop, statistics and the public Server API;
-//   server_accept.cpp accepting connections and the limits checked there;
-//   server_conns.cpp  connection events, their timers, flushing, closing and reaping.
+//   server.cpp  construction, start/stop, statistics and the public Server API;
+//   accept.cpp  accepting connections and the limits checked there;
+//   conns.cpp   connection events, their timers, flushing, closing and reaping.
 // Internal to the server (not installed); include only from those files.
 #pragma once
 
@@ -71,7 +71,7 @@ class Server::Impl final : public ConnectionHost {
   std::array<uint64_t, kNumStats> collect() const;
   void publish() noexcept;
 
-  // server_accept.cpp
+  // accept.cpp
   static void on_accept(EventLoop&, int, void* data, uint32_t);
   void accept_all();
   void out_of_fds(int err);
@@ -81,7 +81,7 @@ class Server::Impl final : public ConnectionHost {
   void leave_half_open(Connection* c) noexcept;
   void shed_half_open(const std::string& ip);
 
-  // server_conns.cpp
+  // conns.cpp
   static void on_conn_event(EventLoop&, int fd, void* data, uint32_t mask);
   void on_conn(Connection* c, uint32_t mask);
   void arm_frame_timer(Connection* c);

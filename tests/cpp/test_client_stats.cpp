@@ -1,4 +1,4 @@
-// call_stats (client_stats.hpp): bucket edges, names, concurrent recording, and the outcomes a
+// call_stats (client/stats.hpp): bucket edges, names, concurrent recording, and the outcomes a
 // Client records against an in-process Server on loopback.
 #include <chrono>
 #include <cstdint>
