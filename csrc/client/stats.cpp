@@ -23,12 +23,6 @@ std::size_t bucket_of(int64_t ns) {
   return static_cast<std::size_t>(it - kLatencyBoundsNs.begin());
 }
 
-std::string slot_name(uint8_t op) {
-  if (op == static_cast<uint8_t>(kConnectSlot)) return "connect";
-  std::string s = op_name(op);
-  for (char& c : s) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
-  return s;
-}
 
 }  // namespace
 
@@ -64,7 +58,7 @@ std::vector<OpSnapshot> snapshot() {
       calls += snap.calls[o];
     }
     if (calls == 0) continue;
-    snap.op = slot_name(static_cast<uint8_t>(i));
+    snap.op = op_info(static_cast<uint8_t>(i))->call_name;
     snap.total_ns = s.total_ns.load(std::memory_order_relaxed);
     for (std::size_t b = 0; b < kBuckets; ++b) {
       snap.buckets[b] = s.buckets[b].load(std::memory_order_relaxed);

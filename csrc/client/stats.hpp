@@ -36,14 +36,15 @@ inline constexpr std::array<int64_t, 19> kLatencyBoundsNs = {
 inline constexpr std::size_t kBuckets = kLatencyBoundsNs.size() + 1;
 
 // Connecting (a new client, clone() or a reconnect, handshake included) is counted under the
-// slot of HELLO, named "connect"; every other operation under its opcode.
+// slot of HELLO; every other operation under its opcode. A slot is named by its op's call name
+// in ops.def ("connect" for HELLO).
 inline constexpr Op kConnectSlot = Op::Hello;
 
 // Adds one call of op that took elapsed and ended in outcome. Lock-free, callable from any thread.
 void record(Op op, Outcome outcome, std::chrono::steady_clock::duration elapsed);
 
 struct OpSnapshot {
-  std::string op;  // lower case: "set", "compare_set", "multi_get", ..., "connect"
+  std::string op;  // the call name (ops.def): "set", "compare_set", "multi_get", ..., "connect"
   std::array<uint64_t, kOutcomes> calls{};  // by Outcome
   uint64_t total_ns = 0;                    // of every call, whatever its outcome
   std::array<uint64_t, kBuckets> buckets{};  // non-cumulative, the last above the last bound

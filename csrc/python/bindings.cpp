@@ -1,6 +1,6 @@
 // elasticstore._C: the native Server and Client for Python (pybind11). Knows nothing of torch.
-// The API is python/elasticstore/_C.pyi. The module's constants and call statistics are
-// here; the Server is bound in bind_server.cpp, the Client and Heartbeat in bind_client.cpp.
+// The API is python/elasticstore/_C.pyi. The module's constants, the op table and call statistics
+// are here; the Server is bound in bind_server.cpp, the Client and Heartbeat in bind_client.cpp.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -43,6 +43,15 @@ py::list client_call_stats() {
   return out;
 }
 
+// ops.def as (call name, opcode, kind) rows, in opcode order (see OPS in _C.pyi).
+py::tuple op_table() {
+  py::list rows;
+  for (const es::OpInfo& op : es::kOps) {
+    rows.append(py::make_tuple(op.call_name, static_cast<int>(op.op), es::op_kind_name(op.kind)));
+  }
+  return py::tuple(rows);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -72,6 +81,7 @@ PYBIND11_MODULE(_C, m) {
       outcomes.append(cs::outcome_name(static_cast<cs::Outcome>(o)));
     m.attr("CLIENT_CALL_OUTCOMES") = py::tuple(outcomes);
   }
+  m.attr("OPS") = op_table();
   m.def("client_call_stats", &client_call_stats,
         "Calls of every Client of this process so far, per operation (see _C.pyi)");
 

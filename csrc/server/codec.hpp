@@ -1,6 +1,7 @@
 // Codecs turn a connection's bytes into calls on KvState and Completions into reply bytes. The
-// native codec lives in commands.cpp (one handler per opcode, in a table indexed by opcode); a
-// TCPStore codec implements the same interface over the same KvState and waiter machinery.
+// native codec lives in codec_native.cpp (one handler per opcode, in a table built from
+// wire/ops.def); the TCPStore codec (codec_tcpstore.cpp) implements the same interface over the
+// same KvState and waiter machinery.
 #pragma once
 
 #include <cstddef>
@@ -54,13 +55,13 @@ class Codec {
   virtual bool handshake_done() const noexcept = 0;
 };
 
-// The native codec's reply to a completion (native_replies.cpp); the contract of Codec::complete.
+// The native codec's reply to a completion (codec_native_replies.cpp); the contract of Codec::complete.
 bool encode_native_completion(const Completion& c, const KvState& kv, std::string& out,
                               std::size_t room, std::string* reason);
 
 // The native codec; expects the preamble to have been consumed already.
 std::unique_ptr<Codec> make_native_codec();
-// torch's TCPStore protocol (tcpstore_codec.cpp); starts at the client's VALIDATE request.
+// torch's TCPStore protocol (codec_tcpstore.cpp); starts at the client's VALIDATE request.
 std::unique_ptr<Codec> make_tcpstore_codec();
 
 }  // namespace elasticstore

@@ -319,11 +319,11 @@ Outcome op_allow_peers(Request& q) {
   return Outcome::Replied;
 }
 
+// Indexed by opcode (ops.def's handler column); 0 is no opcode.
 constexpr Handler kHandlers[kMaxOp + 1] = {
-    nullptr,        nullptr,       op_set,     op_get,       op_try_get,    op_add,
-    op_compare_set, op_wait,       op_check,   op_delete_key, op_num_keys,  op_list_keys,
-    op_append,      op_multi_get,  op_multi_set, op_queue_push, op_queue_pop, op_queue_len,
-    op_ping,        op_barrier,    op_watch,   op_stats,      nullptr,      op_allow_peers,
+    nullptr,
+#define ELASTICSTORE_OP(Enum, code, wire_name, call_name, kind, handler) handler,
+#include "wire/ops.def"
 };
 
 

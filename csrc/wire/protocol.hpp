@@ -81,32 +81,42 @@ inline constexpr uint32_t kNoTimeout = 0xFFFFFFFFu;
 inline constexpr uint64_t kWatchFromNow = 0xFFFFFFFFFFFFFFFFull;
 inline constexpr uint8_t kFlagEphemeral = 0x01;
 
+// The operations and their opcodes: one row each in ops.def.
 enum class Op : uint8_t {
-  Hello = 1,
-  Set = 2,
-  Get = 3,
-  TryGet = 4,
-  Add = 5,
-  CompareSet = 6,
-  Wait = 7,
-  Check = 8,
-  DeleteKey = 9,
-  NumKeys = 10,
-  ListKeys = 11,
-  Append = 12,
-  MultiGet = 13,
-  MultiSet = 14,
-  QueuePush = 15,
-  QueuePop = 16,
-  QueueLen = 17,
-  Ping = 18,
-  Barrier = 19,
-  Watch = 20,
-  Stats = 21,
-  Auth = 22,
-  AllowPeers = 23,
+#define ELASTICSTORE_OP(Enum, code, wire_name, call_name, kind, handler) Enum = code,
+#include "wire/ops.def"
 };
-inline constexpr uint8_t kMaxOp = 23;
+
+// What an operation is for (the kind column of ops.def).
+enum class OpKind : uint8_t { Session, Auth, Store, Admin };
+const char* op_kind_name(OpKind kind);
+
+struct OpInfo {
+  Op op;
+  const char* wire_name;  // "COMPARE_SET": logs and error messages
+  const char* call_name;  // "compare_set": call statistics and Python's op names
+  OpKind kind;
+};
+
+inline constexpr OpInfo kOps[] = {
+#define ELASTICSTORE_OP(Enum, code, wire_name, call_name, kind, handler) \
+  {Op::Enum, wire_name, call_name, OpKind::kind},
+#include "wire/ops.def"
+};
+inline constexpr uint8_t kMaxOp = static_cast<uint8_t>(sizeof kOps / sizeof kOps[0]);
+
+// Opcodes run 1..kMaxOp in table order, so that kOps[code - 1] is the row of `code`.
+constexpr bool ops_dense() {
+  for (std::size_t i = 0; i < kMaxOp; ++i)
+    if (static_cast<std::size_t>(kOps[i].op) != i + 1) return false;
+  return true;
+}
+static_assert(ops_dense(), "ops.def: opcodes must run 1, 2, 3, ... in row order");
+
+// The row of opcode `code`, or null for a code no operation has.
+inline const OpInfo* op_info(uint8_t code) {
+  return code >= 1 && code <= kMaxOp ? &kOps[code - 1] : nullptr;
+}
 
 enum class Status : uint8_t {
   Ok = 0,

@@ -47,6 +47,7 @@ except ImportError as exc:  # pragma: no cover (exercised without the extra)
         f"EtcdStore needs the etcd client ({exc}): pip install elasticstore[etcd]"
     ) from exc
 
+from . import _C
 from ._etcd_client import Connection, LeaseKeeper
 from .call_stats import etcd_recorded
 from ._etcd_sync import EtcdSyncMixin
@@ -378,14 +379,11 @@ class EtcdStore(EtcdWatchMixin, EtcdSyncMixin, dist.Store):
 
 
 # Each call is counted for elasticstore.client_call_stats() (backend "etcd"), under the native
-# client's operation names; compare_set, getNumKeys and deleteKey go through a counted method.
-for _method, _op in (
-    ("_open", "connect"), ("set", "set"), ("get", "get"), ("try_get", "try_get"), ("add", "add"),
-    ("compare_set_ex", "compare_set"), ("wait", "wait"), ("check", "check"),
-    ("num_keys", "num_keys"), ("delete_key", "delete_key"), ("append", "append"),
-    ("multi_get", "multi_get"), ("multi_set", "multi_set"), ("list_keys", "list_keys"),
-    ("watch", "watch"), ("ping", "ping"), ("barrier", "barrier"), ("queue_push", "queue_push"),
-    ("queue_pop", "queue_pop"), ("queue_len", "queue_len"),
-):
-    setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
-del _method, _op
+# client's operation names (_C.OPS: connecting and every store operation); compare_set, getNumKeys
+# and deleteKey go through a counted method.
+_COUNTED_METHODS = {"connect": "_open", "compare_set": "compare_set_ex"}
+for _op, _code, _kind in _C.OPS:
+    if _kind in ("session", "store"):
+        _method = _COUNTED_METHODS.get(_op, _op)
+        setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
+del _op, _code, _kind, _method
