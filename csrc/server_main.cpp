@@ -27,9 +27,9 @@
 #include <mutex>
 #include <string>
 
-#include "wire/auth.hpp"
 #include "net/lookup.hpp"
 #include "server/server.hpp"
+#include "wire/auth.hpp"
 
 namespace {
 

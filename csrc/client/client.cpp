@@ -8,8 +8,8 @@
 #include <exception>
 #include <utility>
 
-#include "wire/auth.hpp"
 #include "client/ops.hpp"
+#include "wire/auth.hpp"
 
 namespace elasticstore {
 using namespace client_detail;

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "wire/auth.hpp"
 #include "server/kv_state.hpp"
+#include "wire/auth.hpp"
 
 namespace elasticstore {
 

@@ -10,9 +10,9 @@
 #include <memory>
 #include <string>
 
-#include "wire/buffer.hpp"
 #include "server/codec.hpp"
 #include "server/event_loop.hpp"
+#include "wire/buffer.hpp"
 
 namespace elasticstore {
 

@@ -19,11 +19,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "wire/auth.hpp"
 #include "server/connection.hpp"
 #include "server/event_loop.hpp"
 #include "server/kv_state.hpp"
 #include "server/server.hpp"
+#include "wire/auth.hpp"
 
 namespace elasticstore {
 

@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "wire/auth.hpp"
 #include "check.hpp"
 #include "client/client.hpp"
 #include "server/server.hpp"
+#include "wire/auth.hpp"
 
 using namespace elasticstore;
 
