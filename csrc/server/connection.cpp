@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "server/peer_cred.hpp"
 #include "wire/log.hpp"
 
 namespace elasticstore {
@@ -76,7 +77,7 @@ std::size_t Connection::sniff(ConnectionHost& host, const char* data, std::size_
   const auto first = static_cast<uint8_t>(data[0]);
   if (first == kTorchValidateByte) {  // the codec parses VALIDATE itself: nothing consumed
     // torch's protocol cannot authenticate: with a token, only peers the job vouches for.
-    if (std::string why; !host.auth().admits_torch(fd_, peer_addr, &why)) {
+    if (std::string why; !admits_torch(host.auth(), fd_, peer_addr, &why)) {
       fail("torch TCPStore client refused: " + why, true);
       return 0;
     }

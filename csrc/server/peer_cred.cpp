@@ -1,6 +1,7 @@
-// The user owning the other end of a loopback TCP connection, from the kernel's socket table
-// (NETLINK_SOCK_DIAG, as `ss -e` reads it): a TCP peer has no SO_PEERCRED. The peer's socket is
-// the one whose local address is the connection's remote one, and the other way round.
+// Which torch TCPStore peers a server with a token serves, and the user owning the other end of a
+// loopback TCP connection, from the kernel's socket table (NETLINK_SOCK_DIAG, as `ss -e` reads
+// it): a TCP peer has no SO_PEERCRED. The peer's socket is the one whose local address is the
+// connection's remote one, and the other way round.
 #include <arpa/inet.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
@@ -12,7 +13,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "wire/auth.hpp"
+#include "server/peer_cred.hpp"
 
 namespace elasticstore {
 
@@ -114,6 +115,31 @@ bool loopback_peer_uid(int fd, const sockaddr_storage& peer, uint32_t* uid, std:
     if (found != 0) return found == 1;
   }
   *error = "its socket is not in this host's table (not a local process)";
+  return false;
+}
+
+bool admits_torch(const ServerAuth& auth, int fd, const sockaddr_storage& peer, std::string* why) {
+  if (!auth.required()) return true;
+  if (!auth.torch_protocol) {
+    *why = "this server has a token and serves only native clients that prove it";
+    return false;
+  }
+  if (auth.allowed.loopback() && is_loopback(peer)) {
+    uint32_t peer_uid = 0;
+    std::string error;
+    if (!loopback_peer_uid(fd, peer, &peer_uid, &error)) {
+      *why = "the server has a token and cannot tell which user this loopback peer runs as (" +
+             error + ")";
+      return false;
+    }
+    if (peer_uid == auth.uid) return true;
+    *why = "the server has a token and this loopback peer runs as uid " + std::to_string(peer_uid) +
+           ", not the server's uid " + std::to_string(auth.uid);
+    return false;
+  }
+  if (auth.allowed.allows(peer)) return true;
+  *why = "the server has a token and this peer is neither a loopback process of the server's "
+         "user, nor an allowed peer, nor in an --allow-unauthenticated-from range";
   return false;
 }
 

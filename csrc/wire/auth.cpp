@@ -180,31 +180,6 @@ bool parse_host(std::string_view text, Cidr* out, std::string* error) {
 
 }  // namespace
 
-bool ServerAuth::admits_torch(int fd, const sockaddr_storage& peer, std::string* why) const {
-  if (!required()) return true;
-  if (!torch_protocol) {
-    *why = "this server has a token and serves only native clients that prove it";
-    return false;
-  }
-  if (allowed.loopback() && is_loopback(peer)) {
-    uint32_t peer_uid = 0;
-    std::string error;
-    if (!loopback_peer_uid(fd, peer, &peer_uid, &error)) {
-      *why = "the server has a token and cannot tell which user this loopback peer runs as (" +
-             error + ")";
-      return false;
-    }
-    if (peer_uid == uid) return true;
-    *why = "the server has a token and this loopback peer runs as uid " + std::to_string(peer_uid) +
-           ", not the server's uid " + std::to_string(uid);
-    return false;
-  }
-  if (allowed.allows(peer)) return true;
-  *why = "the server has a token and this peer is neither a loopback process of the server's "
-         "user, nor an allowed peer, nor in an --allow-unauthenticated-from range";
-  return false;
-}
-
 bool PeerAllowList::add(std::string_view text, std::string* error) {
   Cidr c;
   if (!parse_host(text, &c, error)) return false;

@@ -55,10 +55,6 @@ bool cidr_contains(const Cidr& c, const sockaddr_storage& ss) noexcept;
 // 127.0.0.0/8, ::1 and ::ffff:127.0.0.0/104.
 bool is_loopback(const sockaddr_storage& ss) noexcept;
 
-// The user id owning the other end of a TCP connection `fd` from a process on this host (peer
-// address `peer`), from the kernel's socket table. False with *error set when it is not found.
-bool loopback_peer_uid(int fd, const sockaddr_storage& peer, uint32_t* uid, std::string* error);
-
 // Who may speak torch's TCPStore protocol when the server has a token: loopback processes of the
 // server's own user (unless loopback is turned off, for tests), the operator's ranges (fixed at
 // start) and the hosts the job vouches for (changed at run time by Server::allow_peer and the
@@ -93,9 +89,6 @@ struct ServerAuth {
   bool torch_protocol = true;
   uint32_t uid = 0;  // the server's effective user: loopback torch peers must run as it
   bool required() const noexcept { return !token.empty(); }
-  // Whether a torch TCPStore client on connection `fd` from `peer` is served (always without a
-  // token); else *why says why not.
-  bool admits_torch(int fd, const sockaddr_storage& peer, std::string* why) const;
 };
 
 }  // namespace elasticstore
