@@ -27,9 +27,9 @@
 #include <mutex>
 #include <string>
 
-#include "auth.hpp"
-#include "client_transport.hpp"
-#include "server.hpp"
+#include "net/lookup.hpp"
+#include "server/server.hpp"
+#include "wire/auth.hpp"
 
 namespace {
 

@@ -26,6 +26,12 @@ MAX_TOKEN_BYTES: int
 CLIENT_CALL_BUCKETS: tuple[float, ...]
 CLIENT_CALL_OUTCOMES: tuple[str, ...]  # ("ok", "timeout", "network", "error")
 
+# The native protocol's operations (csrc/wire/ops.def), in opcode order: (name, opcode, kind). The
+# name is the one calls are counted under ("connect" for HELLO, "compare_set", ...); the kind is
+# "session" (opens a connection), "auth" (part of the handshake), "store" (a store operation) or
+# "admin" (server administration).
+OPS: tuple[tuple[str, int, Literal["session", "auth", "store", "admin"]], ...]
+
 class _CallStats(TypedDict):
     op: str  # "set", "get", "compare_set", ..., "connect" (connecting, handshake included)
     calls: dict[str, int]  # by outcome, every one of CLIENT_CALL_OUTCOMES

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "check.hpp"
-#include "protocol.hpp"
-#include "server.hpp"
+#include "server/server.hpp"
+#include "wire/protocol.hpp"
 
 
 using namespace elasticstore;

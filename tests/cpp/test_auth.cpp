@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "auth.hpp"
 #include "check.hpp"
-#include "client.hpp"
-#include "server.hpp"
+#include "client/client.hpp"
+#include "server/server.hpp"
+#include "wire/auth.hpp"
 
 using namespace elasticstore;
 

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "check.hpp"
-#include "client.hpp"
-#include "server.hpp"
+#include "client/client.hpp"
+#include "server/server.hpp"
 
 using namespace elasticstore;
 using Clock = std::chrono::steady_clock;

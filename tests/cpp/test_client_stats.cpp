@@ -1,4 +1,4 @@
-// call_stats (client_stats.hpp): bucket edges, names, concurrent recording, and the outcomes a
+// call_stats (client/stats.hpp): bucket edges, names, concurrent recording, and the outcomes a
 // Client records against an in-process Server on loopback.
 #include <chrono>
 #include <cstdint>
@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "check.hpp"
-#include "client.hpp"
-#include "client_stats.hpp"
-#include "server.hpp"
+#include "client/client.hpp"
+#include "client/stats.hpp"
+#include "server/server.hpp"
 
 using namespace elasticstore;
 namespace cs = elasticstore::call_stats;

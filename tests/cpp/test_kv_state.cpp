@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "check.hpp"
-#include "kv_state.hpp"
+#include "server/kv_state.hpp"
 
 using namespace elasticstore;
 

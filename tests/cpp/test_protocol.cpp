@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "check.hpp"
-#include "protocol.hpp"
+#include "wire/protocol.hpp"
 
 using namespace elasticstore;
 
@@ -157,4 +157,20 @@ TEST(names) {
   CHECK_EQ(std::string(op_name(static_cast<uint8_t>(Op::CompareSet))), std::string("COMPARE_SET"));
   CHECK_EQ(std::string(op_name(99)), std::string("UNKNOWN"));
   CHECK_EQ(std::string(status_name(static_cast<uint8_t>(Status::Compacted))), std::string("COMPACTED"));
+}
+
+TEST(op_table) {
+  CHECK_EQ(static_cast<std::size_t>(kMaxOp), sizeof kOps / sizeof kOps[0]);
+  CHECK(op_info(0) == nullptr);
+  CHECK(op_info(kMaxOp + 1) == nullptr);
+  for (uint8_t code = 1; code <= kMaxOp; ++code) {
+    const OpInfo* info = op_info(code);
+    CHECK(info != nullptr);
+    CHECK_EQ(static_cast<uint8_t>(info->op), code);
+    CHECK_EQ(std::string(op_name(code)), std::string(info->wire_name));
+  }
+  CHECK_EQ(std::string(op_info(static_cast<uint8_t>(Op::Hello))->call_name), std::string("connect"));
+  CHECK_EQ(std::string(op_info(static_cast<uint8_t>(Op::MultiGet))->call_name), std::string("multi_get"));
+  CHECK(op_info(static_cast<uint8_t>(Op::Auth))->kind == OpKind::Auth);
+  CHECK_EQ(std::string(op_kind_name(OpKind::Store)), std::string("store"));
 }

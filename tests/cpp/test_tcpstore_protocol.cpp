@@ -3,7 +3,7 @@
 #include <string>
 
 #include "check.hpp"
-#include "tcpstore_protocol.hpp"
+#include "wire/tcpstore_protocol.hpp"
 
 using elasticstore::kMaxKeyBytes;
 using elasticstore::kMaxKeysPerRequest;

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "commands.hpp"
+#include "server/codec.hpp"
 
 namespace elasticstore::fuzz {
 

@@ -8,8 +8,8 @@
 #include <cstring>
 #include <vector>
 
-#include "connection.hpp"
 #include "fuzz_common.hpp"
+#include "server/connection.hpp"
 
 using namespace elasticstore;
 

@@ -3,7 +3,7 @@
 // the quota and TOO_LARGE paths are reached. Checks: no crash/UB/leak (sanitizers), every close
 // has a reason, nothing is stored before HELLO, the quota is never exceeded.
 #include "fuzz_common.hpp"
-#include "protocol.hpp"
+#include "wire/protocol.hpp"
 
 using namespace elasticstore;
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "fuzz_common.hpp"
-#include "tcpstore_protocol.hpp"
+#include "wire/tcpstore_protocol.hpp"
 
 using namespace elasticstore;
 namespace ts = elasticstore::tcpstore;

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from etcd3 import etcdrpc
 
+from ... import _C
 from ...errors import AmbiguousOutcomeError, StoreError, StoreTimeoutError, WatchCompactedError
 from ..api import DEFAULT_TIMEOUT, Key, KVStore, Timeout, Value, WatchEvent
 from ..call_stats import etcd_recorded
@@ -346,17 +347,14 @@ class EtcdStore(EtcdWatchPart, EtcdSyncPart):
 
 
 # Each call is counted for elasticstore.client_call_stats() (backend "etcd"), under the native
-# client's operation names; compare_set, getNumKeys and deleteKey go through a counted method.
-for _method, _op in (
-    ("_open", "connect"), ("set", "set"), ("get", "get"), ("try_get", "try_get"), ("add", "add"),
-    ("compare_set_ex", "compare_set"), ("wait", "wait"), ("check", "check"),
-    ("num_keys", "num_keys"), ("delete_key", "delete_key"), ("append", "append"),
-    ("multi_get", "multi_get"), ("multi_set", "multi_set"), ("list_keys", "list_keys"),
-    ("watch", "watch"), ("ping", "ping"), ("barrier", "barrier"), ("queue_push", "queue_push"),
-    ("queue_pop", "queue_pop"), ("queue_len", "queue_len"),
-):
-    setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
-del _method, _op
+# client's operation names (_C.OPS: connecting and every store operation); compare_set, getNumKeys
+# and deleteKey go through a counted method.
+_COUNTED_METHODS = {"connect": "_open", "compare_set": "compare_set_ex"}
+for _op, _code, _kind in _C.OPS:
+    if _kind in ("session", "store"):
+        _method = _COUNTED_METHODS.get(_op, _op)
+        setattr(EtcdStore, _method, etcd_recorded(_op)(getattr(EtcdStore, _method)))
+del _op, _code, _kind, _method
 
 if TYPE_CHECKING:  # EtcdStore implements the store contract
     _CONTRACT: type[KVStore] = EtcdStore

@@ -1,6 +1,6 @@
 """Barrier and queues of :class:`~elasticstore.EtcdStore` (a part of it, over ``txn``).
 
-Barrier, as the native server's (``csrc/kv_waiters.cpp``): ``{prefix}/sys/barrier/{key}`` holds
+Barrier, as the native server's (``csrc/server/kv_blocking.cpp``): ``{prefix}/sys/barrier/{key}`` holds
 ``"{generation} {arrived} {world_size}"`` (never bound to a lease). An arrival is one exactly-once
 transaction: the ``world_size``-th arrival releases the generation (the generation goes up and
 the count back to 0) and returns at once; the others wait (a watch) for the generation to move.
