@@ -11,7 +11,7 @@ import tomllib
 
 from elasticstore.rendezvous import registry
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "elasticstore"
 
 

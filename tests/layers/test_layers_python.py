@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "python" / "elasticstore"
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "elasticstore"
 STORES = PACKAGE / "stores"
 # The layers above the stores: a module under stores/ imports none of them.
 UPPER = ("rendezvous", "agent", "ops", "train", "run", "launch", "cli", "init_method")

@@ -14,7 +14,7 @@ from pathlib import Path
 from elasticstore import _C
 from elasticstore.etcd_store import EtcdStore
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LAYERS = ("wire", "net", "server", "client", "python")
 # What each layer (and the server binary) may include besides itself.
 ALLOWED: dict[str, set[str]] = {
