@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from ..errors import StoreTimeoutError
 from ..stores.api import KVStore, WatchEvent
+
+if TYPE_CHECKING:
+    from ..stores.native.server import StoreServer
 
 __all__ = ["KeepFresh", "StoreBackend"]
 
@@ -38,7 +41,7 @@ class StoreBackend(ABC, Generic[S]):
     # True when a silent session (no FIN: partition, power loss) is not ended by the store
     # itself: the handler then keeps its liveness key fresh and ring watchers time it out.
     needs_heartbeat: bool = False
-    server: Any = None  # the rendezvous server this backend's process hosts (native), if any
+    server: StoreServer | None = None  # the rendezvous server this backend's process hosts (native), if any
 
     def __init__(self, store: S, endpoint: str) -> None:
         self.store = store
