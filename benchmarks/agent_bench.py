@@ -54,13 +54,24 @@ def _start(a: Agents, peer: str, addr: str, port: int, nnodes: str, first: bool,
                    env=env, module="torch.distributed.run")
 
 
-def _ready(a: Agents, world: int, after: float) -> int | None:
-    """The attempt whose ``world`` workers all got past init_process_group after ``after``."""
-    for att in sorted({s["attempt"] for s in a.starts() if s["world"] == world}, reverse=True):
-        inits = a.inits(att)
-        if len(inits) == world and min(inits.values()) >= after:
-            return att
-    return None
+def _ready(a: Agents, world: int, after: float) -> list[tuple[int, int]] | None:
+    """The (attempt, rank) of ``world`` workers, one per rank, all past init_process_group after
+    ``after`` at that world size; None until then. Attempt numbers are not compared across nodes:
+    torch's agent numbers a round it joins for a membership change like the one before (its
+    restart count), so a survivor's new workers may reuse an earlier attempt's number."""
+    worlds = {(s["attempt"], s["rank"]): s["world"] for s in a.starts()}
+    chosen: dict[int, tuple[float, int]] = {}
+    for att in {att for att, _ in worlds}:
+        for rank, t in a.inits(att).items():
+            if t >= after and worlds.get((att, rank)) == world and t > chosen.get(rank, (0.0, 0))[0]:
+                chosen[rank] = (t, att)
+    if sorted(chosen) != list(range(world)):
+        return None
+    return [(att, rank) for rank, (_, att) in sorted(chosen.items())]
+
+
+def _inits(a: Agents, ready: list[tuple[int, int]]) -> list[float]:
+    return [a.inits(att)[rank] for att, rank in ready]
 
 
 def scenario(peer: str, kind: str, last_call: float | None = None) -> dict[str, Any]:
@@ -73,10 +84,11 @@ def scenario(peer: str, kind: str, last_call: float | None = None) -> dict[str, 
         nodes = [_start(a, peer, addr, port, nnodes, i == 0, last_call)
                  for i, addr in enumerate(("127.0.0.2", "127.0.0.3"))]
         until(lambda: _ready(a, 4, t0) is not None, LIMIT, "cold start")
-        result["cold"] = max(a.inits(_ready(a, 4, t0) or 0).values()) - t0
+        cold = _ready(a, 4, t0) or []
+        result["cold"] = max(_inits(a, cold)) - t0
         if kind == "cold":
             return result
-        first = [s for s in a.starts() if s["attempt"] == _ready(a, 4, t0)]
+        first = [s for s in a.starts() if (s["attempt"], s["rank"]) in cold]
         t1 = time.time()
         if kind == "worker-kill":
             os.kill(next(s["pid"] for s in first if s["rank"] == 3), signal.SIGKILL)
@@ -92,15 +104,14 @@ def scenario(peer: str, kind: str, last_call: float | None = None) -> dict[str, 
             world = 2
         try:
             until(lambda: _ready(a, world, t1) is not None, LIMIT, "recovery")
-            att = _ready(a, world, t1)
-            inits = a.inits(att)
-            result["recovery"] = max(inits.values()) - t1
-            starts = [s for s in a.starts() if s["attempt"] == att]
+            ready = _ready(a, world, t1) or []
+            result["recovery"] = max(_inits(a, ready)) - t1
+            starts = [s for s in a.starts() if (s["attempt"], s["rank"]) in ready]
             result["warm"] = all(s["preloaded"] for s in starts)
         except AssertionError:
             result["recovery"] = None
             result["note"] = f"no new round past init_process_group within {LIMIT:g}s"
-            tails = [a.output(p)[-600:] for p in nodes]
+            tails = [a.output(p)[-int(os.environ.get("AGENT_BENCH_TAIL", "600")):] for p in nodes]
             result["tail"] = tails
         return result
     finally:

@@ -27,6 +27,7 @@ class ForkServer:
 
     def __init__(self, preload: bool) -> None:
         self.preload = preload
+        self._forked = False  # whether a worker was ever asked for
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
         self.proc = subprocess.Popen(
@@ -46,6 +47,7 @@ class ForkServer:
               stdin: int | None = None) -> tuple[int, socket.socket]:
         """Starts a worker; returns its pid (== its process group) and its status socket.
         ``stdin``: the worker's standard input (None: /dev/null)."""
+        self._forked = True
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDONLY) if stdin is None else -1
         try:
@@ -68,8 +70,14 @@ class ForkServer:
         return self.proc.poll() is None
 
     def close(self, timeout: float = 10.0) -> None:
-        """The server kills what is left of every worker's tree and exits."""
+        """The server kills what is left of every worker's tree and exits. A server that never
+        forked has nothing to clean up: it is killed at once, not awaited (it may still be
+        importing torch for seconds, as when a signal ends the job in its first rendezvous)."""
         self._ctl.close()
+        if not self._forked:
+            self.proc.kill()
+            self.proc.wait(5)
+            return
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
