@@ -144,6 +144,32 @@ def test_node_lost_resumes_from_the_surviving_nodes_memory_at_another_world_size
     assert all(results[r]["counts_ok"] for r in (0, 1)), results
 
 
+@pytest.mark.timeout(300)
+def test_node_joining_gets_the_newest_step_from_a_peer(tmp_path: Path, shm_root: str) -> None:
+    """One node trains alone (--nnodes 1:2, 1 worker); a second node joins mid-run: in the new
+    round at world size 2 the joining rank, with no memory of its own, gets the newest step by
+    broadcast from rank 0, which reads it from its node's memory."""
+    workdir, port = str(tmp_path), free_port()
+    args = ["--dir", workdir, "--dataset-size", "512", "--step-time", "0.1"]
+    env = {ROOT_ENV: shm_root}
+    with agents(workdir) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 1, *CONF), args, name="n1", env=env,
+                     script=TRAIN)
+        until(lambda: done_step(workdir, 0, 0) >= 3, 120, "3 steps at world size 1")
+        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 1, *CONF), args, name="n2", env=env,
+                     script=TRAIN)
+        finish(a, [n1, n2])
+        out = a.output(n1) + a.output(n2)
+    after = records(workdir, "restore")
+    assert set(after) == {0, 1} and after[1]["world"] == 2, out[-4000:]
+    assert after[0]["step"] == after[1]["step"] >= 3, after
+    assert (after[0]["source"], after[1]["source"], after[1]["detail"]) == (
+        "memory", "peer", "rank 0"), after
+    assert after[0]["exact"] and after[1]["exact"], after
+    results = records(workdir, "result")
+    assert all(results[r]["counts_ok"] for r in (0, 1)), results
+
+
 @pytest.mark.timeout(180)
 def test_agent_sigkilled_leaves_nothing_in_shared_memory(tmp_path: Path, shm_root: str) -> None:
     """The agent's snapshot directory holds snapshots; a SIGKILL of the agent alone: its
