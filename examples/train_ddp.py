@@ -180,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.MSELoss()
     pending = torch.zeros(3, dtype=torch.float64)  # this rank's stats since the last flush
 
-    def flush(epoch: int) -> None:
-        dist.all_reduce(pending)
+    def add(epoch: int) -> None:  # ``pending`` (summed over the ranks) into the epoch's totals
         totals = epoch_stats.setdefault(str(epoch), [0.0, 0.0, 0.0])
         for i in range(3):
             totals[i] += float(pending[i])
         pending.zero_()
+
+    def flush(epoch: int) -> None:
+        dist.all_reduce(pending)
+        add(epoch)
 
     started = time.monotonic()
     mark, mark_step = started, step
@@ -201,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 record_event(args.events, "fail", rank=rank, step=step + 1, restart=restart)
                 os._exit(3)
+            idx = index.to(torch.float64)
+            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
+                                    idx.sum(), (idx * idx).sum()])
+            # A snapshot holds the epoch's totals over every rank up to its step: their
+            # all_reduce starts now and runs while the step computes.
+            totals = dist.all_reduce(pending, async_op=True) if snaps.due(step + 1) else None
             optimizer.zero_grad()
             loss = loss_fn(ddp(x), y)
             loss.backward()
@@ -208,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             sampler.advance(len(index))
             step += 1
             samples_this_run += len(index) * world
-            idx = index.to(torch.float64)
-            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
-                                    idx.sum(), (idx * idx).sum()])
+            if totals is not None:
+                totals.wait()
+                add(epoch)
             last_loss = loss.detach().reshape(1)
             if rank == 0 and samples_this_run == len(index) * world:  # this start's first step
                 record_event(args.events, "first_step", step=step, world=world, restart=restart)
@@ -225,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     mark, mark_step = now, step
                     print(f"epoch {epoch} step {step} loss {avg.item() / world:.6f} "
                           f"samples/s {rate:.0f} world {world} restart {restart}", flush=True)
-            if snaps.due(step):  # the disk checkpoints' steps included
-                flush(epoch)  # the snapshot holds the epoch's totals up to this step
+            if totals is not None:  # due(step): the disk checkpoints' steps included
                 snaps.snapshot({
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
