@@ -7,7 +7,8 @@
 2. ``examples/train_ddp.py`` under ``elasticstore-run --standalone --nproc-per-node 2`` with a
    snapshot every step (its default) and with ``--snapshot-every 0`` (snapshots only at its disk
    checkpoints, as before snapshots existed): time per step from the example's summary, runs
-   interleaved, the median of ``--runs`` each.
+   interleaved in pairs; the medians of ``--runs`` each, and the median of the pairs' ratios (on
+   a shared machine the load changes between pairs more than within one).
 
     python benchmarks/snapshot.py [--runs 3] [--calls 200] [--skip-example]
 """
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(f'{x * 1e3:.3f}' for x in per_step[0])} |")
         print(f"| a snapshot every step (default) | {on * 1e3:.3f} ms | "
               f"{', '.join(f'{x * 1e3:.3f}' for x in per_step[1])} |")
-        print(f"\nstep time with a snapshot every step: {100 * (on / off - 1):+.1f}%")
+        ratios = sorted(b / a for a, b in zip(per_step[0], per_step[1]))
+        print(f"\nstep time with a snapshot every step: {100 * (on / off - 1):+.1f}% (medians), "
+              f"{100 * (statistics.median(ratios) - 1):+.1f}% (median of the pairs' ratios: "
+              f"{', '.join(f'{100 * (r - 1):+.0f}%' for r in ratios)})")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -212,3 +212,52 @@ def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
         assert not os.path.exists(dead) and os.path.exists(live)
     finally:
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> None:
+    """In one process, into a real directory under /dev/shm: strided tensors of several dtypes
+    (non-contiguous, 0-d, empty), a sparse tensor and a model's state_dict (pickled as they are),
+    plain objects; a state that grows past the buffer's spare room and shrinks to under half of it;
+    never more than KEEP_PER_RANK files, and the newest step comes back exactly."""
+    import torch
+    from torch import nn
+
+    from elasticstore.train import KEEP_PER_RANK, SnapshotSettings, Snapshots
+    from elasticstore.train.snapshot_file import list_snapshots, read_snapshot
+
+    model = nn.Linear(3, 2)
+
+    def state(step: int) -> dict[str, Any]:
+        big = 1 + (step % 3) * 40_000  # 4 B, 160 kB, 320 kB: remapped up and down
+        return {"step": step, "t": torch.arange(12.0).reshape(3, 4).t() + step,
+                "bf16": torch.full((5,), step, dtype=torch.bfloat16),
+                "flags": torch.tensor([True, False]), "scalar": torch.tensor(step),
+                "empty": torch.empty(0, 7), "big": torch.full((big,), float(step)),
+                "sparse": torch.eye(3).to_sparse() * step, "model": model.state_dict(),
+                "plain": {"name": "x" * step, "list": [step, (1, None), 2.5]}}
+
+    directory = os.path.join(shm_root, "node")
+    os.mkdir(directory)
+    snaps = Snapshots(settings=SnapshotSettings(directory, 0))
+    try:
+        for step in range(1, 10):
+            assert snaps.snapshot(lambda: state(step), step)
+            assert len(list_snapshots(directory)) <= KEEP_PER_RANK
+        assert [s for s, _, _ in list_snapshots(directory)] == [8, 9]
+        restored = snaps.restore()
+        assert restored is not None and (restored.step, restored.source) == (9, "memory")
+        _, again = read_snapshot(os.path.join(directory, "step-000000000009.local-0.snap"))
+        for got in (restored.state, again):
+            want = state(9)
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[key].dtype == value.dtype and torch.equal(
+                        got[key].to_dense(), value.to_dense()), key
+                elif key == "model":
+                    assert all(torch.equal(got[key][k], v) for k, v in value.items())
+                else:
+                    assert got[key] == value, key
+    finally:
+        snaps.close()
+        shutil.rmtree(directory)

@@ -215,8 +215,7 @@ class Snapshots:
         for item in iter(self._disk.get, None):
             step, buf = item
             try:
-                with buf.lock:
-                    _, state = decode(buf)
+                _, state = decode(buf)
                 with self._lock:
                     self._pinned.discard(id(buf))
                     orphan = self._published is not None and buf not in self._published
@@ -246,7 +245,10 @@ class Snapshots:
         finally:
             self._closed = True
             for buf in self._published or []:
-                buf.close() if buf.path is not None else buf.free()
+                if buf.path is not None:
+                    buf.close()
+                else:
+                    buf.free()
             self._published = []
 
     def __enter__(self) -> Snapshots:

@@ -2,12 +2,16 @@
 
 A snapshot is one file (or, without a snapshot directory, anonymous memory of the process)::
 
-    header | pickled skeleton | padding | tensor data (each tensor 64-byte aligned)
+    header | tensor data (each tensor 64-byte aligned) | pickled skeleton | spare capacity
 
 The skeleton is the state pickled with every plain strided tensor replaced by a reference
 (dtype, shape, offset): plain Python objects are pickled as they are, tensors are copied byte for
 byte into the data region (one ``copy_`` each, from any device). Reading maps the file and clones
 every tensor out of it, so the returned state shares no memory with the file.
+
+Writing is the hot path (every step): a buffer is reused for later snapshots, with room to spare
+(``_SLACK``) so that a state whose size varies a little is not remapped each time, and the tensor
+views into it are kept while the layout of the tensors stays the same.
 
 Files are written under a temporary name and renamed to ``step-<step, 12 digits>.local-<local
 rank>.snap`` when complete: a reader never sees a half-written snapshot.
@@ -16,12 +20,12 @@ rank>.snap`` when complete: a reader never sees a half-written snapshot.
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import pickle
 import re
 import struct
-import threading
 import uuid
 from typing import Any
 
@@ -30,8 +34,11 @@ import torch
 __all__ = ["Buffer", "decode", "encode", "list_snapshots", "snapshot_name"]
 
 _MAGIC = b"ESNAP\x00\x01\x00"
-_HEADER = struct.Struct("<8sqQQQ")  # magic, step, skeleton bytes, data offset, total bytes
+_HEADER = struct.Struct("<8sqQQQ")  # magic, step, data bytes, skeleton offset, skeleton bytes
 _ALIGN = 64  # every tensor's bytes start at a multiple of this (any dtype's alignment)
+_DATA = 64  # where the tensor data starts (after the header)
+_PAGE = 4096
+_SLACK = 8  # a buffer grows to its need plus 1/_SLACK, and shrinks when under half used
 _NAME = re.compile(r"^step-(\d{12,})\.local-(\d+)\.snap$")
 _TMP = re.compile(r"^\.tmp\.local-(\d+)\.[0-9a-f]+$")
 
@@ -69,26 +76,36 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+_Tensor = torch.Tensor
+
+
 def _copied(obj: Any) -> bool:
     """Tensors whose bytes go to the data region (others, e.g. sparse or meta, are pickled)."""
-    return (type(obj) is torch.Tensor and obj.layout == torch.strided and not obj.is_quantized
-            and obj.device.type != "meta")
+    return (obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
+
+
+def _tensor_ref(dtype: torch.dtype, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+    """What a copied tensor pickles as; ``_Unpickler`` resolves it into the data region."""
+    raise RuntimeError("a snapshot's tensor reference is read by its own unpickler only")
 
 
 class _Pickler(pickle.Pickler):
     def __init__(self, f: io.BytesIO) -> None:
         super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[tuple[torch.Tensor, int]] = []  # (tensor, offset in the data region)
+        self.tensors: list[torch.Tensor] = []
+        self.layout: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # dtype, shape, offset
         self.size = 0
 
-    def persistent_id(self, obj: Any) -> Any:
-        if not _copied(obj):
-            return None
+    def reducer_override(self, obj: Any) -> Any:
+        # Not called for the built-in containers and scalars (unlike persistent_id): cheap.
+        if type(obj) is not _Tensor or not _copied(obj):
+            return NotImplemented
         offset = _align(self.size)
-        nbytes = obj.numel() * obj.element_size()
-        self.tensors.append((obj, offset))
-        self.size = offset + nbytes
-        return ("t", obj.dtype, tuple(obj.shape), offset, nbytes)
+        shape = tuple(obj.shape)
+        self.tensors.append(obj)
+        self.layout.append((obj.dtype, shape, offset))
+        self.size = offset + obj.numel() * obj.element_size()
+        return _tensor_ref, (obj.dtype, shape, offset, self.size - offset)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -96,23 +113,28 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(f)
         self.data = data
 
-    def persistent_load(self, pid: Any) -> Any:
-        _, dtype, shape, offset, nbytes = pid
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_tensor_ref":
+            return self._tensor
+        return super().find_class(module, name)
+
+    def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
+                nbytes: int) -> torch.Tensor:
         raw = self.data[offset:offset + nbytes]
         return raw.view(dtype).view(shape).clone() if nbytes else torch.empty(shape, dtype=dtype)
 
 
 class Buffer:
     """Mapped memory for one snapshot: a file of the snapshot directory (``path``) or, with
-    ``path`` None, anonymous memory of this process. ``lock`` guards its contents."""
+    ``path`` None, anonymous memory of this process."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self.step = -1
-        self.lock = threading.Lock()
-        self.size = 0
+        self.capacity = 0  # bytes mapped (the file's size)
         self._mm: mmap.mmap | None = None
         self._fd = -1
+        self._views: tuple[Any, list[torch.Tensor]] | None = None  # (layout, views) kept
         if path is not None:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
@@ -121,22 +143,47 @@ class Buffer:
         """A complete snapshot file left by an earlier process of the same local rank."""
         buf = cls(path)
         buf.step = step
-        buf.size = os.fstat(buf._fd).st_size
+        buf.capacity = os.fstat(buf._fd).st_size
         return buf
 
     def mapped(self, size: int) -> mmap.mmap:
-        """The memory, ``size`` bytes long (the file resized when the size changed)."""
-        if self._mm is None or size != self.size:
-            if self._mm is not None:
-                self._mm.close()
-                self._mm = None
+        """The memory, at least ``size`` bytes (remapped when it must grow, or shrink by half)."""
+        if self._mm is None or size > self.capacity or size < self.capacity // 2:
+            capacity = -(-(size + size // _SLACK) // _PAGE) * _PAGE
+            if self._mm is not None and capacity == self.capacity:
+                return self._mm
+            self._unmap()
             if self._fd >= 0:
-                os.ftruncate(self._fd, size)
-                self._mm = mmap.mmap(self._fd, size)
+                if capacity != self.capacity or os.fstat(self._fd).st_size != capacity:
+                    os.ftruncate(self._fd, capacity)
+                self._mm = mmap.mmap(self._fd, capacity)
             else:
-                self._mm = mmap.mmap(-1, size)
-            self.size = size
+                self._mm = mmap.mmap(-1, capacity)
+            self.capacity = capacity
         return self._mm
+
+    def views(self, layout: list[tuple[torch.dtype, tuple[int, ...], int]], size: int,
+              total: int) -> list[torch.Tensor]:
+        """A tensor over the data region (``size`` bytes) for each ``(dtype, shape, offset)`` of
+        ``layout``, with the memory mapped for ``total`` bytes."""
+        mm = self.mapped(total)  # first: a remap drops the views
+        key = tuple(layout)
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
+        self._views = None
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=_DATA, count=size)
+        views = []
+        for dtype, shape, offset in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            views.append(data[offset:offset + nbytes].view(dtype).view(shape))
+        self._views = (key, views)
+        return views
+
+    def _unmap(self) -> None:
+        self._views = None  # no tensor may view the mapping when it closes
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
 
     def rename(self, path: str | None) -> None:
         if self.path is not None and path is not None:
@@ -145,9 +192,7 @@ class Buffer:
 
     def close(self) -> None:
         """Unmaps the memory; the file stays."""
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        self._unmap()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -167,35 +212,33 @@ def encode(state: Any, step: int, buf: Buffer) -> int:
     pickler = _Pickler(out)
     pickler.dump(state)
     skeleton = out.getbuffer()
-    data_offset = _align(_HEADER.size + len(skeleton))
-    total = data_offset + pickler.size
-    mm = buf.mapped(total)
-    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, len(skeleton), data_offset, total)
-    mm[_HEADER.size:_HEADER.size + len(skeleton)] = skeleton
+    skel_offset = _align(_DATA + pickler.size)
+    total = skel_offset + len(skeleton)
     if pickler.tensors:
-        data = torch.frombuffer(mm, dtype=torch.uint8, offset=data_offset, count=pickler.size)
+        views = buf.views(pickler.layout, pickler.size, total)
         with torch.no_grad():
-            for tensor, offset in pickler.tensors:
-                nbytes = tensor.numel() * tensor.element_size()
-                if nbytes:
-                    data[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        del data  # the mapping may be closed (resized) only once no tensor views it
+            for view, tensor in zip(views, pickler.tensors):
+                view.copy_(tensor)
+    mm = buf.mapped(total)
+    mm[skel_offset:total] = skeleton
+    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, pickler.size, skel_offset, len(skeleton))
     buf.step = step
     return total
 
 
 def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any]:
-    if size < _HEADER.size:
+    if size < _DATA:
         raise ValueError("shorter than a snapshot header")
-    magic, step, skel_len, data_offset, total = _HEADER.unpack(mm[:_HEADER.size])
+    magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(mm[:_HEADER.size])
     if magic != _MAGIC:
         raise ValueError("not a snapshot")
-    if total != size or data_offset > total or _HEADER.size + skel_len > data_offset:
-        raise ValueError(f"inconsistent sizes (header says {total} bytes, it has {size})")
-    data = torch.frombuffer(mm, dtype=torch.uint8, offset=data_offset, count=total - data_offset) \
-        if total > data_offset else torch.empty(0, dtype=torch.uint8)
+    if _DATA + data_len > skel_offset or skel_offset + skel_len > size:
+        raise ValueError(f"inconsistent sizes (data {data_len}, skeleton {skel_len} bytes at "
+                         f"{skel_offset}, in {size})")
+    data = torch.frombuffer(mm, dtype=torch.uint8, offset=_DATA, count=data_len) \
+        if data_len else torch.empty(0, dtype=torch.uint8)
     try:
-        skeleton = io.BytesIO(mm[_HEADER.size:_HEADER.size + skel_len])
+        skeleton = io.BytesIO(mm[skel_offset:skel_offset + skel_len])
         return step, _Unpickler(skeleton, data).load()
     finally:
         del data
@@ -203,8 +246,8 @@ def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any]:
 
 def decode(buf: Buffer) -> tuple[int, Any]:
     """(step, state) of the snapshot in ``buf`` (its tensors cloned out of it)."""
-    assert buf.size > 0
-    return _decode_bytes(buf.mapped(buf.size), buf.size)
+    assert buf.capacity > 0
+    return _decode_bytes(buf.mapped(buf.capacity), buf.capacity)
 
 
 def read_snapshot(path: str) -> tuple[int, Any]:
