@@ -22,6 +22,7 @@ the disk checkpoints are written as with the agent. See ``docs/training.md``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -209,6 +210,13 @@ class Snapshots:
             self._disk_thread = threading.Thread(target=self._disk_loop, name="snapshot-disk",
                                                  daemon=True)
             self._disk_thread.start()
+            atexit.register(self._flush_at_exit)  # a script that ends without close()
+
+    def _flush_at_exit(self) -> None:
+        try:
+            self.flush()
+        except RuntimeError as err:
+            warnings.warn(str(err), RuntimeWarning, stacklevel=1)
 
     def _disk_loop(self) -> None:
         assert self.checkpoint_dir is not None
@@ -231,6 +239,7 @@ class Snapshots:
             self._disk.put(None)
             self._disk_thread.join()
             self._disk_thread = None
+            atexit.unregister(self._flush_at_exit)
         if self._disk_error is not None:
             err, self._disk_error = self._disk_error, None
             raise RuntimeError(f"the background disk checkpoint failed: {err}") from err
