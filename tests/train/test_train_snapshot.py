@@ -261,3 +261,34 @@ def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> No
     finally:
         snaps.close()
         shutil.rmtree(directory)
+
+
+def test_disk_checkpoints_written_in_the_background_hold_their_own_step(
+        tmp_path: Path, shm_root: str) -> None:
+    """A disk checkpoint every step of a 16 MB state: the background writer lags behind the
+    snapshots, whose memory it still reads is set aside, not reused; every checkpoint holds the
+    state of its own step, and the snapshot directory never holds more than KEEP_PER_RANK
+    snapshots nor keeps a temporary file."""
+    import torch
+
+    from elasticstore.train import KEEP_PER_RANK, SnapshotSettings, Snapshots, load_checkpoint
+    from elasticstore.train.snapshot_file import list_snapshots
+
+    directory = os.path.join(shm_root, "node")
+    os.mkdir(directory)
+    ckpt = tmp_path / "ckpt"
+    seen: list[int] = []
+    with Snapshots(settings=SnapshotSettings(directory, 0), checkpoint_dir=ckpt,
+                   checkpoint_every=1, keep_checkpoints=8, write_checkpoints=True) as snaps:
+        for step in range(1, 7):
+            snaps.snapshot({"w": torch.full((4 << 20,), float(step)), "step": step}, step)
+            seen.append(len(list_snapshots(directory)))
+    assert max(seen) <= KEEP_PER_RANK
+    assert sorted(os.listdir(directory)) == ["step-000000000005.local-0.snap",
+                                             "step-000000000006.local-0.snap"]
+    loaded = load_checkpoint(ckpt)
+    assert loaded is not None and loaded.step == 6
+    for name in sorted(os.listdir(ckpt)):
+        state = torch.load(ckpt / name, weights_only=True)["state"]
+        assert bool((state["w"] == state["step"]).all()), name
+    shutil.rmtree(directory)

@@ -191,17 +191,27 @@ class Snapshots:
         if self._published is None:
             self._published = self._adopt(step)
         while self._published and self._published[-1].step >= step:  # a step taken again
-            self._published.pop().free()
+            self._retire(self._published[-1])
         tmp = self._path(tmp_name(self.settings.local_rank))
         while len(self._published) > KEEP_PER_RANK - 1:
-            with self._lock:  # with the disk thread's check whether a buffer is still listed
-                old = self._published.pop(0)
-                if id(old) in self._pinned:  # the disk thread reads it; it frees it after
-                    old.rename(self._path(tmp_name(self.settings.local_rank)))
-                    continue
-            old.rename(tmp)
-            return old
+            old = self._published[0]
+            if self._retire(old, reuse=True):
+                old.rename(tmp)
+                return old
         return Buffer(tmp)
+
+    def _retire(self, buf: Buffer, reuse: bool = False) -> bool:
+        """Takes ``buf`` off the list. A pending disk checkpoint still reads it: out of view
+        (renamed), the disk thread frees it after; else freed, or (``reuse``) returns True."""
+        assert self._published is not None
+        with self._lock:  # with the disk thread's check whether a buffer is still listed
+            self._published.remove(buf)
+            if id(buf) in self._pinned:
+                buf.rename(self._path(tmp_name(self.settings.local_rank)))
+                return False
+        if not reuse:
+            buf.free()
+        return reuse
 
     # -- disk checkpoints in the background ---------------------------------------------------
 
