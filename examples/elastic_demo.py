@@ -2,15 +2,17 @@
 
 Two simulated nodes, on 127.0.0.2 and 127.0.0.3, each an ``elasticstore-run`` agent with two
 workers; the first hosts the embedded native rendezvous store. They run ``examples/train_ddp.py``
-(DDP on gloo, the elastic sampler, a checkpoint every 10 steps), and one worker fails on purpose
-mid-run (``--fail-at-step``). Its agent ends the round for both nodes, the next round starts the
-four workers again (warm, from the agents' fork servers) and they resume from the last
-checkpoint; the job finishes. Then an uninterrupted run of the same job at the same world size
+(DDP on gloo, the elastic sampler, an in-memory snapshot every step in the agents' shared memory,
+a disk checkpoint every 10 steps), and one worker fails on purpose mid-run (``--fail-at-step``).
+Its agent ends the round for both nodes, the next round starts the four workers again (warm, from
+the agents' fork servers) and they resume from the newest snapshot, the step before the failure,
+not from the last disk checkpoint; the job finishes. Then an uninterrupted run of the same job at the same world size
 (one agent, four workers) gives the weights to compare with.
 
-Prints the agents' and rank 0's lines as they come, then the rounds, the recovery time (from the
-failure to the restarted group's first step, from timestamps the example writes with
-``--events``), the final loss, and a one-line verdict. Exit code 0 only when the job recovered,
+Prints the agents' and rank 0's lines as they come, then the rounds, the step the group resumed
+from (and how many steps the failure cost), the recovery time (from the failure to the restarted
+group's first step, from timestamps the example writes with ``--events``), the final loss, and a
+one-line verdict. Exit code 0 only when the job recovered from the step before the failure,
 every sample of each epoch was trained on exactly once, and (unless ``--no-compare``) the final
 weights are bit for bit those of the uninterrupted run. Every process it starts is stopped when it
 ends, also on error or Ctrl-C.
@@ -194,8 +196,8 @@ class Demo:
         events = self.dir / "events.jsonl"
         self.say(f"2 simulated nodes ({', '.join(NODES)}) x {a.nproc_per_node} workers, "
                  f"rendezvous on the embedded native store at {NODES[0]}:{port}; rank "
-                 f"{a.fail_rank} fails at step {a.fail_at_step} (checkpoint every "
-                 f"{a.checkpoint_every} steps)")
+                 f"{a.fail_rank} fails at step {a.fail_at_step} (a snapshot in memory every "
+                 f"step, a disk checkpoint every {a.checkpoint_every} steps)")
         agents = []
         for i, host in enumerate(NODES, 1):
             flags = ["--nnodes", "2", "--nproc-per-node", str(a.nproc_per_node),
@@ -228,6 +230,14 @@ class Demo:
         self.say(f"rank {fails[0]['rank']} failed at step {fails[0]['step']}; the restarted group "
                  f"{resumed.split('] ', 1)[-1]}; its first step (step {firsts[0]['step']}) came "
                  f"{recovery:.2f} s after the failure")
+        resumed_at = int(m.group(1)) if (m := re.search(r"resumed from step (\d+)", resumed)) else -1
+        lost = fails[0]["step"] - resumed_at
+        if lost != 1:
+            raise DemoFailed(f"the group resumed from step {resumed_at}, not from the step before "
+                             f"the failure ({fails[0]['step'] - 1}): {resumed}")
+        self.say(f"the failure cost {lost} step: the last disk checkpoint was step "
+                 f"{(fails[0]['step'] - 1) // a.checkpoint_every * a.checkpoint_every}, the "
+                 "snapshot in memory had the step before the failure")
         self.say(f"final loss {result['final_loss']:.6f} after {result['steps']} steps, "
                  f"weights {result['weights_sha256'][:16]}")
 

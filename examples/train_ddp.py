@@ -1,4 +1,5 @@
-"""DDP on CPU (gloo) with the elastic sampler and atomic checkpoints, on synthetic data.
+"""DDP on CPU (gloo) with the elastic sampler, in-memory snapshots and atomic checkpoints, on
+synthetic data.
 
     torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --summary /tmp/run.json
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_ddp.py \\
@@ -9,8 +10,11 @@ Reads the launcher's environment only (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
 TORCHELASTIC_RESTART_COUNT), so it runs unchanged under torchrun and elasticstore-run. Everything
 is a function of --seed: a run interrupted and resumed from its checkpoints ends with the same
 weights as an uninterrupted one at the same world size (the sampler replays the same order from
-the checkpoint's position; the model and optimizer state come from the checkpoint; nothing else
-draws random numbers). With --summary, rank 0 writes a JSON summary (final loss, a SHA-256 of the
+the restored position; the model and optimizer state come from the restored state; nothing else
+draws random numbers). Every step's state goes to an in-memory snapshot (``Snapshots``: under
+elasticstore-run, the agent's shared memory, so a restarted group resumes from the newest step;
+elsewhere the process's own memory), and every --checkpoint-every steps a disk checkpoint is
+written from it in the background. With --summary, rank 0 writes a JSON summary (final loss, a SHA-256 of the
 final weights, per-epoch sample counts and index sums) for comparing runs. With --events, ranks
 append timestamped JSON lines to a file (a rank failing on purpose, rank 0's first step of every
 start): scripts/demo measures the recovery time with them.
@@ -34,11 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elasticstore.train import (
-    ElasticDistributedSampler,
-    load_checkpoint_from_any_rank,
-    save_checkpoint,
-)
+from elasticstore.train import ElasticDistributedSampler, Snapshots
 
 
 class SyntheticRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default="checkpoints/train_ddp")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots (0: only at disk checkpoints)")
     p.add_argument("--node-local", action="store_true",
                    help="checkpoint directories are per node: local rank 0 of every node saves")
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
@@ -87,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("epochs", "dataset_size", "batch_size", "checkpoint_every", "log_every", "keep"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be >= 1")
+    if args.snapshot_every < 0:
+        p.error("argument --snapshot-every: must be >= 0")
     return args
 
 
@@ -156,28 +160,35 @@ def main(argv: list[str] | None = None) -> int:
     # Per epoch, over every rank: samples trained on, sum of their indices, sum of squares.
     epoch_stats: dict[str, list[float]] = {}
 
-    ckpt = load_checkpoint_from_any_rank(args.checkpoint_dir)
-    if ckpt is not None:
-        model.load_state_dict(ckpt.state["model"])
-        optimizer.load_state_dict(ckpt.state["optimizer"])
-        sampler.load_state_dict(ckpt.state["sampler"])
-        epoch_stats = ckpt.state["epoch_stats"]
-        last_loss = ckpt.state["last_loss"]
-        step = ckpt.step
+    snaps = Snapshots(every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep,
+                      write_checkpoints=saver)
+    restored = snaps.restore()
+    if restored is not None:
+        model.load_state_dict(restored.state["model"])
+        optimizer.load_state_dict(restored.state["optimizer"])
+        sampler.load_state_dict(restored.state["sampler"])
+        epoch_stats = restored.state["epoch_stats"]
+        last_loss = restored.state["last_loss"]
+        step = restored.step
         if rank == 0:
             print(f"resumed from step {step} (epoch {sampler.epoch}, "
-                  f"{sampler.samples_consumed} samples consumed) at world size {world}", flush=True)
+                  f"{sampler.samples_consumed} samples consumed) at world size {world}, from "
+                  f"{restored.source}", flush=True)
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(None, allreduce_per_parameter)  # resumes bit for bit
     loss_fn = nn.MSELoss()
     pending = torch.zeros(3, dtype=torch.float64)  # this rank's stats since the last flush
 
-    def flush(epoch: int) -> None:
-        dist.all_reduce(pending)
+    def add(epoch: int) -> None:  # ``pending`` (summed over the ranks) into the epoch's totals
         totals = epoch_stats.setdefault(str(epoch), [0.0, 0.0, 0.0])
         for i in range(3):
             totals[i] += float(pending[i])
         pending.zero_()
+
+    def flush(epoch: int) -> None:
+        dist.all_reduce(pending)
+        add(epoch)
 
     started = time.monotonic()
     mark, mark_step = started, step
@@ -193,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 record_event(args.events, "fail", rank=rank, step=step + 1, restart=restart)
                 os._exit(3)
+            idx = index.to(torch.float64)
+            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
+                                    idx.sum(), (idx * idx).sum()])
+            # A snapshot holds the epoch's totals over every rank up to its step: their
+            # all_reduce starts now and runs while the step computes.
+            totals = dist.all_reduce(pending, async_op=True) if snaps.due(step + 1) else None
             optimizer.zero_grad()
             loss = loss_fn(ddp(x), y)
             loss.backward()
@@ -200,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             sampler.advance(len(index))
             step += 1
             samples_this_run += len(index) * world
-            idx = index.to(torch.float64)
-            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
-                                    idx.sum(), (idx * idx).sum()])
+            if totals is not None:
+                totals.wait()
+                add(epoch)
             last_loss = loss.detach().reshape(1)
             if rank == 0 and samples_this_run == len(index) * world:  # this start's first step
                 record_event(args.events, "first_step", step=step, world=world, restart=restart)
@@ -217,16 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                     mark, mark_step = now, step
                     print(f"epoch {epoch} step {step} loss {avg.item() / world:.6f} "
                           f"samples/s {rate:.0f} world {world} restart {restart}", flush=True)
-            if step % args.checkpoint_every == 0:
-                flush(epoch)
-                if saver:
-                    state = {
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
-                        "last_loss": last_loss,
-                    }
-                    save_checkpoint(args.checkpoint_dir, state, step, keep=args.keep)
+            if totals is not None:  # due(step): the disk checkpoints' steps included
+                snaps.snapshot({
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
+                    "last_loss": last_loss,
+                }, step)
         flush(epoch)
+    snaps.close()  # waits for the disk checkpoint being written
 
     final = last_loss.clone()
     dist.all_reduce(final)

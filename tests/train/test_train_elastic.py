@@ -64,8 +64,9 @@ def finish(a: Agents, procs: list[Any], timeout: float = 90) -> None:
 
 @pytest.mark.timeout(240)
 def test_worker_killed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    """2 nodes x 1 worker; rank 1 exits at step 27 (checkpoint at 20): both nodes restart, resume
-    from step 20 and end bit for bit where one agent with 2 workers, never interrupted, ends."""
+    """2 nodes x 1 worker; rank 1 exits at step 27 (checkpoint at 20, a snapshot every step):
+    both nodes restart, resume from step 26 in their memory and end bit for bit where one agent
+    with 2 workers, never interrupted, ends."""
     size, workdir, port = 1024, str(tmp_path), free_port()
     with agents(workdir) as a:
         nodes = [a.start(node_flags(host, port, "2", 1, *CONF, "--max-restarts", "1"),
@@ -79,7 +80,7 @@ def test_worker_killed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: P
         out = "".join(a.output(p) for p in nodes)
     failed, clean = summary(workdir, "failed"), summary(workdir, "clean")
     assert "failing on purpose at step 27" in out and "restart 1/1" in out
-    assert "resumed from step 20 (epoch 1, 256 samples consumed) at world size 2" in out
+    assert "resumed from step 26 (epoch 1, 640 samples consumed) at world size 2, from memory" in out
     assert failed["restart_count"] == 1 and clean["restart_count"] == 0
     assert failed["world_size"] == clean["world_size"] == 2
     assert failed["weights_sha256"] == clean["weights_sha256"]

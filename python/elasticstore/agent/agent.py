@@ -46,6 +46,7 @@ from .forkclient import ForkServer
 from .logs import LogRelay, Std, console_for, open_log, say
 from .rounds import RendezvousCall, assign
 from .roundwatch import RoundWatcher
+from .snapshots import SnapshotArea
 from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
 
 __all__ = ["Agent"]
@@ -98,6 +99,7 @@ class Agent:
         start = self._clock()
         if self._log_root and not self.s.log_dir:
             say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
+        self._snapshots = SnapshotArea(self.s.run_id)  # kept across rounds, removed at the end
         self._server = self._server_factory(self.s.warm)
         code = 1
         try:
@@ -115,6 +117,7 @@ class Agent:
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
+            self._snapshots.close()
             # The last status while the rendezvous connection is still ours (and no rendezvous
             # thread, interrupted by a signal, still uses it).
             if not self._shut and not self._refused and not (
@@ -216,6 +219,7 @@ class Agent:
             argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
+            env.update(self._snapshots.env())
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self._log_root else None))
         for tries in range(2):

@@ -1,9 +1,11 @@
-"""What a training script touches: an elastic sampler and atomic checkpoints.
+"""What a training script touches: an elastic sampler, in-memory snapshots and atomic checkpoints.
 
 ``ElasticDistributedSampler`` orders each epoch the same at every world size, so a job that
 resumes at another size (``state_dict``/``load_state_dict``) sees every sample once.
 ``save_checkpoint``/``load_checkpoint`` write and read checkpoints atomically;
-``load_checkpoint_from_any_rank`` resumes from node-local directories. Nothing here imports the
+``load_checkpoint_from_any_rank`` resumes from node-local directories. ``Snapshots`` copies the
+state every step into the agent's shared memory and writes the disk checkpoints from it in the
+background; its ``restore`` resumes from the newest step any node holds. Nothing here imports the
 agent or the rendezvous: it runs unchanged under ``torchrun``. See ``docs/training.md``.
 """
 
@@ -18,11 +20,16 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .sampler import ElasticDistributedSampler
+from .snapshot import KEEP_PER_RANK, Restored, SnapshotSettings, Snapshots
 
 __all__ = [
     "Checkpoint",
     "CheckpointConflictError",
     "ElasticDistributedSampler",
+    "KEEP_PER_RANK",
+    "Restored",
+    "SnapshotSettings",
+    "Snapshots",
     "list_checkpoints",
     "load_checkpoint",
     "load_checkpoint_from_any_rank",

@@ -1,0 +1,260 @@
+"""The bytes of one snapshot, and the mapped memory that holds them.
+
+A snapshot is one file (or, without a snapshot directory, anonymous memory of the process)::
+
+    header | tensor data (each tensor 64-byte aligned) | pickled skeleton | spare capacity
+
+The skeleton is the state pickled with every plain strided tensor replaced by a reference
+(dtype, shape, offset): plain Python objects are pickled as they are, tensors are copied byte for
+byte into the data region (one ``copy_`` each, from any device). Reading maps the file and clones
+every tensor out of it, so the returned state shares no memory with the file.
+
+Writing is the hot path (every step): a buffer is reused for later snapshots, with room to spare
+(``_SLACK``) so that a state whose size varies a little is not remapped each time, and the tensor
+views into it are kept while the layout of the tensors stays the same.
+
+Files are written under a temporary name and renamed to ``step-<step, 12 digits>.local-<local
+rank>.snap`` when complete: a reader never sees a half-written snapshot.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import os
+import pickle
+import re
+import struct
+import uuid
+from typing import Any
+
+import torch
+
+__all__ = ["Buffer", "decode", "encode", "list_snapshots", "snapshot_name"]
+
+_MAGIC = b"ESNAP\x00\x01\x00"
+_HEADER = struct.Struct("<8sqQQQ")  # magic, step, data bytes, skeleton offset, skeleton bytes
+_ALIGN = 64  # every tensor's bytes start at a multiple of this (any dtype's alignment)
+_DATA = 64  # where the tensor data starts (after the header)
+_PAGE = 4096
+_SLACK = 8  # a buffer grows to its need plus 1/_SLACK, and shrinks when under half used
+_NAME = re.compile(r"^step-(\d{12,})\.local-(\d+)\.snap$")
+_TMP = re.compile(r"^\.tmp\.local-(\d+)\.[0-9a-f]+$")
+
+
+def snapshot_name(step: int, local_rank: int) -> str:
+    return f"step-{step:012d}.local-{local_rank}.snap"
+
+
+def tmp_name(local_rank: int) -> str:
+    return f".tmp.local-{local_rank}.{uuid.uuid4().hex}"
+
+
+def list_snapshots(directory: str) -> list[tuple[int, int, str]]:
+    """The complete snapshots of ``directory`` as ``(step, local rank, path)``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), int(m.group(2)), os.path.join(directory, name))
+             for name in names if (m := _NAME.match(name))]
+    return sorted(found)
+
+
+def stale_tmp_files(directory: str, local_rank: int) -> list[str]:
+    """Temporary files of ``local_rank`` (a writer killed mid-snapshot left them)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [os.path.join(directory, n) for n in names
+            if (m := _TMP.match(n)) and int(m.group(1)) == local_rank]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+_Tensor = torch.Tensor
+
+
+def _copied(obj: Any) -> bool:
+    """Tensors whose bytes go to the data region (others, e.g. sparse or meta, are pickled)."""
+    return (obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
+
+
+def _tensor_ref(dtype: torch.dtype, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+    """What a copied tensor pickles as; ``_Unpickler`` resolves it into the data region."""
+    raise RuntimeError("a snapshot's tensor reference is read by its own unpickler only")
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f: io.BytesIO) -> None:
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.layout: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # dtype, shape, offset
+        self.size = 0
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Not called for the built-in containers and scalars (unlike persistent_id): cheap.
+        if type(obj) is not _Tensor or not _copied(obj):
+            return NotImplemented
+        offset = _align(self.size)
+        shape = tuple(obj.shape)
+        self.tensors.append(obj)
+        self.layout.append((obj.dtype, shape, offset))
+        self.size = offset + obj.numel() * obj.element_size()
+        return _tensor_ref, (obj.dtype, shape, offset, self.size - offset)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f: io.BytesIO, data: torch.Tensor) -> None:
+        super().__init__(f)
+        self.data = data
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_tensor_ref":
+            return self._tensor
+        return super().find_class(module, name)
+
+    def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
+                nbytes: int) -> torch.Tensor:
+        raw = self.data[offset:offset + nbytes]
+        return raw.view(dtype).view(shape).clone() if nbytes else torch.empty(shape, dtype=dtype)
+
+
+class Buffer:
+    """Mapped memory for one snapshot: a file of the snapshot directory (``path``) or, with
+    ``path`` None, anonymous memory of this process."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.step = -1
+        self.capacity = 0  # bytes mapped (the file's size)
+        self._mm: mmap.mmap | None = None
+        self._fd = -1
+        self._views: tuple[Any, list[torch.Tensor]] | None = None  # (layout, views) kept
+        if path is not None:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @classmethod
+    def adopt(cls, path: str, step: int) -> Buffer:
+        """A complete snapshot file left by an earlier process of the same local rank."""
+        buf = cls(path)
+        buf.step = step
+        buf.capacity = os.fstat(buf._fd).st_size
+        return buf
+
+    def mapped(self, size: int) -> mmap.mmap:
+        """The memory, at least ``size`` bytes (remapped when it must grow, or shrink by half)."""
+        if self._mm is None or size > self.capacity or size < self.capacity // 2:
+            capacity = -(-(size + size // _SLACK) // _PAGE) * _PAGE
+            if self._mm is not None and capacity == self.capacity:
+                return self._mm
+            self._unmap()
+            if self._fd >= 0:
+                if capacity != self.capacity or os.fstat(self._fd).st_size != capacity:
+                    os.ftruncate(self._fd, capacity)
+                self._mm = mmap.mmap(self._fd, capacity)
+            else:
+                self._mm = mmap.mmap(-1, capacity)
+            self.capacity = capacity
+        return self._mm
+
+    def views(self, layout: list[tuple[torch.dtype, tuple[int, ...], int]], size: int,
+              total: int) -> list[torch.Tensor]:
+        """A tensor over the data region (``size`` bytes) for each ``(dtype, shape, offset)`` of
+        ``layout``, with the memory mapped for ``total`` bytes."""
+        mm = self.mapped(total)  # first: a remap drops the views
+        key = tuple(layout)
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
+        self._views = None
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=_DATA, count=size)
+        views = []
+        for dtype, shape, offset in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            views.append(data[offset:offset + nbytes].view(dtype).view(shape))
+        self._views = (key, views)
+        return views
+
+    def _unmap(self) -> None:
+        self._views = None  # no tensor may view the mapping when it closes
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def rename(self, path: str | None) -> None:
+        if self.path is not None and path is not None:
+            os.rename(self.path, path)
+            self.path = path
+
+    def close(self) -> None:
+        """Unmaps the memory; the file stays."""
+        self._unmap()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def free(self) -> None:
+        self.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def encode(state: Any, step: int, buf: Buffer) -> int:
+    """Copies ``state`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
+    out = io.BytesIO()
+    pickler = _Pickler(out)
+    pickler.dump(state)
+    skeleton = out.getbuffer()
+    skel_offset = _align(_DATA + pickler.size)
+    total = skel_offset + len(skeleton)
+    if pickler.tensors:
+        views = buf.views(pickler.layout, pickler.size, total)
+        with torch.no_grad():
+            for view, tensor in zip(views, pickler.tensors):
+                view.copy_(tensor)
+    mm = buf.mapped(total)
+    mm[skel_offset:total] = skeleton
+    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, pickler.size, skel_offset, len(skeleton))
+    buf.step = step
+    return total
+
+
+def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any]:
+    if size < _DATA:
+        raise ValueError("shorter than a snapshot header")
+    magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(mm[:_HEADER.size])
+    if magic != _MAGIC:
+        raise ValueError("not a snapshot")
+    if _DATA + data_len > skel_offset or skel_offset + skel_len > size:
+        raise ValueError(f"inconsistent sizes (data {data_len}, skeleton {skel_len} bytes at "
+                         f"{skel_offset}, in {size})")
+    data = torch.frombuffer(mm, dtype=torch.uint8, offset=_DATA, count=data_len) \
+        if data_len else torch.empty(0, dtype=torch.uint8)
+    try:
+        skeleton = io.BytesIO(mm[skel_offset:skel_offset + skel_len])
+        return step, _Unpickler(skeleton, data).load()
+    finally:
+        del data
+
+
+def decode(buf: Buffer) -> tuple[int, Any]:
+    """(step, state) of the snapshot in ``buf`` (its tensors cloned out of it)."""
+    assert buf.capacity > 0
+    return _decode_bytes(buf.mapped(buf.capacity), buf.capacity)
+
+
+def read_snapshot(path: str) -> tuple[int, Any]:
+    """(step, state) of the snapshot file ``path``; ``ValueError`` when it is not one."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ValueError("empty")
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+            return _decode_bytes(mm, size)
