@@ -1,0 +1,281 @@
+"""Goodput under failures: ``examples/train_ddp.py`` run whole, then again with a failure injected
+from outside every K seconds, for ``elasticstore-run`` and torchrun in the same run.
+
+goodput = (time of the uninterrupted run) / (time of the interrupted run), each from the launch to
+the exit of every agent; the interrupted run's final weights (the example's ``--summary``: a
+SHA-256 of the final weights) are compared with the uninterrupted run's at the same world size.
+
+Scenarios:
+
+- ``worker`` (one node, 2 workers): every K s one worker (the ranks in turn) is SIGKILLed;
+- ``worker-2x2`` (two simulated nodes, 127.0.0.2 and 127.0.0.3, 2 workers each): the same;
+- ``node-2x2``: every K s the second node's agent and workers are SIGKILLed (its process group)
+  and a replacement node is started at once with the same command line; the world size goes from
+  4 to 2 and back, so the weights are not comparable.
+
+Launchers, each at its defaults except what it needs to survive the failures
+(``--max-restarts 1000``): ``elasticstore-run`` (snapshots every step, the example's default) and
+``torchrun`` (``--standalone`` on one node; on two, c10d with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the only variant whose new round survives a worker
+kill, and ``--monitor-interval 0.1``). Both resume from the example's disk checkpoints (every 20
+steps) where they have nothing newer: under torchrun a snapshot lives only as long as its worker.
+
+    python benchmarks/goodput.py [--intervals 8,16] [--scenarios worker,worker-2x2,node-2x2]
+        [--step-time 0.1] [--out benchmarks/results/goodput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
+LAUNCHERS = ("elasticstore-run", "torchrun")
+SCENARIOS = ("worker", "worker-2x2", "node-2x2")
+LIMIT = float(os.environ.get("GOODPUT_LIMIT", "300"))  # seconds before a run counts as not done
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Run:
+    """One job: its agents (each the leader of its own process group) and where it writes."""
+
+    launcher: str
+    scenario: str
+    step_time: float
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="goodput-"))
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    retired: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def two_nodes(self) -> bool:
+        return self.scenario.endswith("2x2")
+
+    def example_args(self) -> list[str]:
+        size = 8192 if self.two_nodes else 4096  # 64 steps per epoch at either world size
+        return [EXAMPLE, "--epochs", "3", "--dataset-size", str(size), "--step-time",
+                f"{self.step_time:g}", "--checkpoint-dir", os.path.join(self.workdir, "ckpt"),
+                "--summary", os.path.join(self.workdir, "summary.json"), "--log-every", "1000"]
+
+    def command(self, addr: str) -> tuple[list[str], dict[str, str]]:
+        env = dict(os.environ)
+        common = ["--nproc-per-node", "2", "--max-restarts", "1000"]
+        if not self.two_nodes:
+            if self.launcher == "elasticstore-run":
+                return ["elasticstore-run", "--standalone", *common, *self.example_args()], env
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--monitor-interval", "0.1", *common, *self.example_args()], env
+        nodes = ["--nnodes", "1:2" if self.scenario.startswith("node") else "2",
+                 "--rdzv-endpoint", f"127.0.0.2:{self.port}", "--rdzv-id", "goodput",
+                 "--local-addr", addr]
+        if self.launcher == "elasticstore-run":
+            return ["elasticstore-run", *nodes, *common, *self.example_args()], env
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        host = "true" if addr == "127.0.0.2" else "false"
+        return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", *nodes,
+                "--rdzv-conf", f"is_host={host}", "--monitor-interval", "0.1", *common,
+                *self.example_args()], env
+
+    def start(self, addr: str) -> None:
+        argv, env = self.command(addr)
+        log = open(os.path.join(self.workdir, f"agent-{addr}-{len(self.retired)}.log"), "wb")  # noqa: SIM115
+        self.agents[addr] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             cwd=self.workdir, start_new_session=True)
+        log.close()
+
+    def workers(self) -> list[psutil.Process]:
+        found = []
+        for agent in self.agents.values():
+            try:
+                for p in psutil.Process(agent.pid).children(recursive=True):
+                    cmd = " ".join(p.cmdline())
+                    if "train_ddp.py" in cmd and "forkserver" not in cmd:
+                        found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    def kill_group(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+    def cleanup(self) -> None:
+        for proc in [*self.agents.values(), *self.retired]:
+            if proc.poll() is None:
+                self.kill_group(proc)
+            else:  # its workers lead their own groups (elasticstore-run): gone with the agent
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str, Any]]) -> None:
+    """Every ``interval`` s: a worker (the ranks in turn) or the second node, until ``stop``."""
+    n = 0
+    while not stop.wait(interval):
+        t = time.time()
+        if run.scenario.startswith("node"):
+            old = run.agents["127.0.0.3"]
+            try:  # the node's whole tree, whatever groups its workers lead
+                tree = psutil.Process(old.pid).children(recursive=True)
+            except psutil.Error:
+                tree = []
+            run.kill_group(old)
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            run.retired.append(old)
+            run.start("127.0.0.3")
+            log.append({"t": t, "what": "node 127.0.0.3 replaced"})
+        else:
+            workers = sorted(run.workers(), key=lambda p: p.pid)
+            if not workers:
+                continue
+            victim = workers[n % len(workers)]
+            try:
+                victim.kill()
+                log.append({"t": t, "what": f"worker pid {victim.pid}"})
+            except psutil.Error:
+                pass
+        n += 1
+
+
+def run_job(launcher: str, scenario: str, step_time: float,
+            interval: float | None) -> dict[str, Any]:
+    run = Run(launcher, scenario, step_time)
+    run.port = _free_port("127.0.0.2")
+    failures: list[dict[str, Any]] = []
+    stop = threading.Event()
+    result: dict[str, Any] = {"launcher": launcher, "scenario": scenario, "interval": interval}
+    try:
+        t0 = time.monotonic()
+        for addr in (("127.0.0.2", "127.0.0.3") if run.two_nodes else ("127.0.0.1",)):
+            run.start(addr)
+        injector = None
+        if interval is not None:
+            injector = threading.Thread(target=_inject, args=(run, interval, stop, failures),
+                                        daemon=True)
+            injector.start()
+        deadline = t0 + LIMIT
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in run.agents.values()):
+                break
+            time.sleep(0.05)
+        stop.set()
+        if injector is not None:
+            injector.join(10)
+        elapsed = time.monotonic() - t0
+        codes = [p.poll() for p in run.agents.values()]
+        result.update(seconds=elapsed, failures=len(failures), codes=codes,
+                      done=all(c == 0 for c in codes))
+        summary = os.path.join(run.workdir, "summary.json")
+        if os.path.exists(summary):
+            with open(summary) as f:
+                s = json.load(f)
+            result.update(weights=s.get("weights_sha256"), world=s.get("world_size"))
+        return result
+    finally:
+        stop.set()
+        run.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--intervals", default="8,16", help="seconds between failures (comma list)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument("--step-time", type=float, default=0.1, help="the example's --step-time")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "goodput"))
+    args = p.parse_args()
+    intervals = [float(x) for x in args.intervals.split(",")]
+    rows = []
+    for scenario in args.scenarios.split(","):
+        for launcher in args.launchers.split(","):
+            base = run_job(launcher, scenario, args.step_time, None)
+            print(json.dumps(base), flush=True)
+            for interval in intervals if scenario == "worker" else intervals[:1]:
+                row = run_job(launcher, scenario, args.step_time, interval)
+                if base.get("done") and row.get("done"):
+                    row["goodput"] = base["seconds"] / row["seconds"]
+                row["same_weights"] = (row.get("weights") == base.get("weights")
+                                       if row.get("world") == base.get("world") else None)
+                row["baseline_seconds"] = base["seconds"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "step_time": args.step_time, "rows": rows}, f, indent=1)
+    table = render(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    plot(rows, args.out + ".png")
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = ["| scenario | failure every | launcher | failures | uninterrupted | interrupted "
+             "| goodput | final weights |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gp = f"**{r['goodput']:.2f}**" if r.get("goodput") is not None else "— (not done)"
+        same = {True: "identical", False: "differ", None: "n/a (world size changed)"}[
+            r.get("same_weights")]
+        took = f"{r['seconds']:.1f} s" if r.get("done") else f"not done in {LIMIT:g} s"
+        lines.append(f"| {r['scenario']} | {r['interval']:g} s | {r['launcher']} | "
+                     f"{r.get('failures', 0)} | {r['baseline_seconds']:.1f} s | {took} | {gp} | "
+                     f"{same} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for launcher in LAUNCHERS:
+        pts = sorted((r["interval"], r.get("goodput") or 0.0) for r in rows
+                     if r["launcher"] == launcher and r["scenario"] == "worker")
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=launcher)
+    ax.set_xlabel("seconds between worker failures (one node, 2 workers)")
+    ax.set_ylabel("goodput")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
