@@ -184,17 +184,21 @@ def run_job(launcher: str, scenario: str, step_time: float,
                                         daemon=True)
             injector.start()
         deadline = t0 + LIMIT
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in run.agents.values()):
-                break
+        first = next(iter(run.agents.values()))  # never the one replaced
+        while time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.05)
-        stop.set()
+        elapsed = time.monotonic() - t0  # the job ends when its first node is done
+        stop.set()  # no failure after that: a replacement started now would find a finished job
         if injector is not None:
-            injector.join(10)
-        elapsed = time.monotonic() - t0
+            injector.join(30)
+        for proc in run.agents.values():  # the others follow (a late replacement is refused)
+            try:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         codes = [p.poll() for p in run.agents.values()]
         result.update(seconds=elapsed, failures=len(failures), codes=codes,
-                      done=all(c == 0 for c in codes))
+                      done=first.poll() == 0)
         summary = os.path.join(run.workdir, "summary.json")
         if os.path.exists(summary):
             with open(summary) as f:
@@ -246,7 +250,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         gp = f"**{r['goodput']:.2f}**" if r.get("goodput") is not None else "— (not done)"
         same = {True: "identical", False: "differ", None: "n/a (world size changed)"}[
-            r.get("same_weights")]
+            r.get("same_weights")] if r.get("done") else "—"
         took = f"{r['seconds']:.1f} s" if r.get("done") else f"not done in {LIMIT:g} s"
         lines.append(f"| {r['scenario']} | {r['interval']:g} s | {r['launcher']} | "
                      f"{r.get('failures', 0)} | {r['baseline_seconds']:.1f} s | {took} | {gp} | "
