@@ -1,0 +1,276 @@
+"""Preloading what the workers imported: a warm worker tells its fork server each third-party
+package it imports, and the fork server imports them for the next round's workers.
+
+Third-party: a top-level module or package that the worker found in a ``sys.path`` entry named
+``site-packages`` or ``dist-packages`` (what ``pip install`` writes); never the standard library
+(already loaded or cheap), the script, a module from the script's directory or from a project
+directory on ``PYTHONPATH``.
+
+The fork server must stay safe to fork: no thread may appear in it and CUDA must stay untouched.
+Each batch of reported packages is first imported in a throwaway child of the fork server (a
+probe) that compares its Python and native threads (``/proc/self/task``) before and after each
+import, checks ``torch.cuda.is_initialized()`` and whether the CUDA driver got loaded, and checks
+the package is the one the worker loaded; the fork server then imports only what passed, checking
+the same again. A package that fails is refused, with the reason; a fork server that still got a
+thread (an import that starts one only sometimes) is "tainted": it forks no more and the agent
+replaces it (``forkclient.settle_preloads``).
+
+Standard library only: the fork server (run as a script) loads this file by its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib.machinery import ModuleSpec
+from typing import Any
+
+__all__ = ["ImportReporter", "Preloader", "Verdict", "native_threads", "third_party_origin"]
+
+SITE_DIR_NAMES = ("site-packages", "dist-packages")
+MAX_NAME = 200  # longer reported names are ignored (no module is named like that)
+MAX_REPORT = 4096  # bytes of one report datagram (name and origin)
+MAX_PACKAGES = 2000  # distinct names a fork server takes from its workers
+PROBE_TIMEOUT_S = 300.0  # a probe that imports for longer is killed and its package refused
+PR_SET_PDEATHSIG = 1
+
+
+def native_threads() -> int:
+    """The threads of this process as the kernel counts them (native ones included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _python_threads() -> int:
+    threading = sys.modules.get("threading")
+    return threading.active_count() if threading is not None else 1
+
+
+def _cuda_state() -> tuple[bool, bool]:
+    """(torch initialised CUDA, the CUDA driver library is mapped into this process)."""
+    torch = sys.modules.get("torch")
+    initialised = False
+    if torch is not None and hasattr(torch, "cuda"):
+        try:
+            initialised = bool(torch.cuda.is_initialized())
+        except Exception:
+            initialised = False
+    try:
+        with open("/proc/self/maps") as f:
+            driver = "libcuda.so" in f.read()
+    except OSError:
+        driver = False
+    return initialised, driver
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
+    """Where a top-level module was found, when that is a site directory of ``path`` (else
+    None): the longest ``path`` entry holding its file (or its package directories) must be named
+    site-packages or dist-packages."""
+    found: list[str | None] = list(spec.submodule_search_locations or []) or [spec.origin]
+    locations = [loc for loc in found if isinstance(loc, str) and os.path.isabs(loc)]
+    if not locations or len(locations) < len(found):
+        return None  # built-in, frozen, or a finder of its own
+    entries = [os.path.realpath(p or os.curdir) for p in path if isinstance(p, str)]
+    for loc in locations:
+        real = os.path.realpath(loc)
+        holders = [e for e in entries if _within(real, e)]
+        if not holders or os.path.basename(max(holders, key=len)) not in SITE_DIR_NAMES:
+            return None
+    return os.path.realpath(locations[0])
+
+
+class ImportReporter:
+    """First on a warm worker's ``sys.meta_path``: for each top-level module the worker imports,
+    finds its spec through the finders after it (as the import system would, and returns that
+    spec) and, when it is third-party, sends ``{"name", "origin"}`` to the fork server (one
+    datagram, never blocking: a full or closed socket drops it)."""
+
+    def __init__(self, fd: int) -> None:
+        self._sock = socket.socket(fileno=fd)
+        self._sock.setblocking(False)
+        self._seen: set[str] = set()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        if path is not None or "." in name or name in self._seen:
+            return None
+        self._seen.add(name)
+        finders = sys.meta_path
+        spec = None
+        for finder in finders[finders.index(self) + 1:] if self in finders else []:
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                return None  # a finder of the old kind: the import system's own way
+            spec = find(name, None, target)
+            if spec is not None:
+                break
+        if spec is not None:
+            origin = third_party_origin(spec, sys.path)
+            if origin is not None:
+                try:
+                    self._sock.send(json.dumps({"name": name, "origin": origin}).encode())
+                except OSError:
+                    pass
+        return spec
+
+
+@dataclass
+class Verdict:
+    name: str
+    refused: str | None  # why, or None: preloaded
+
+
+def checked_import(name: str, origin: str | None) -> str | None:
+    """Imports ``name``; returns why it must not stay in a fork server (None: fine)."""
+    import importlib
+
+    before = (_python_threads(), native_threads())
+    cuda_before = _cuda_state()
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - a package's import may raise anything
+        return f"its import failed: {type(exc).__name__}: {str(exc)[:200]}"
+    after = (_python_threads(), native_threads())
+    if after[0] > before[0] or after[1] > before[1]:
+        threading = sys.modules.get("threading")
+        names = [t.name for t in threading.enumerate()][1:] if threading is not None else []
+        return (f"its import started a thread ({after[1] - before[1]} native, "
+                f"{after[0] - before[0]} Python{': ' + ', '.join(names[-3:]) if names else ''})")
+    cuda = _cuda_state()
+    if cuda[0] and not cuda_before[0]:
+        return "its import initialised CUDA"
+    if cuda[1] and not cuda_before[1]:
+        return "its import loaded the CUDA driver"
+    spec = getattr(module, "__spec__", None)
+    found = third_party_origin(spec, sys.path) if spec is not None else None
+    if origin is not None and found != origin:
+        return f"the fork server finds it at {found}, the worker at {origin}"
+    return None
+
+
+def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
+    """In the probe: import in order, one verdict line each, stop at the first refusal."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    for name, origin in names:
+        why = checked_import(name, origin)
+        os.write(out, (json.dumps({"name": name, "refused": why}) + "\n").encode())
+        if why is not None:
+            break
+
+
+def probe(names: list[tuple[str, str | None]], timeout: float = PROBE_TIMEOUT_S) -> list[Verdict]:
+    """Imports ``names`` in a forked child of this process; the verdicts up to and including
+    the first refusal (the rest must be probed again without it)."""
+    import ctypes
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _probe_child(names, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(r, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(deadline - time.monotonic()):
+                chunk = os.read(r, 65536)
+                if not chunk:
+                    break
+                data += chunk
+    os.close(r)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    os.waitpid(pid, 0)
+    verdicts = [Verdict(v["name"], v["refused"]) for v in map(json.loads, data.decode().splitlines())]
+    if len(verdicts) < len(names) and (not verdicts or verdicts[-1].refused is None):
+        name = names[len(verdicts)][0]
+        verdicts.append(Verdict(name, f"its import did not end within {timeout:.0f}s or "
+                                      "ended the process"))
+    return verdicts
+
+
+@dataclass
+class Preloader:
+    """The fork server's side: what its workers reported, what it preloaded and refused."""
+
+    refused: dict[str, str] = field(default_factory=dict)  # every refusal (given at start too)
+    pending: list[tuple[str, str | None]] = field(default_factory=list)
+    known: set[str] = field(default_factory=set)
+    preloaded: list[str] = field(default_factory=list)  # since the last report
+    new_refused: dict[str, str] = field(default_factory=dict)  # since the last report
+    seconds: float = 0.0
+    tainted: str | None = None  # why this process must not fork any more
+    baseline: int = 0  # native threads when the fork server was ready
+
+    def note(self, data: bytes) -> None:
+        """A worker's report (one datagram)."""
+        try:
+            msg = json.loads(data)
+            name, origin = str(msg["name"]), msg.get("origin")
+        except (ValueError, KeyError, TypeError):
+            return
+        if (len(name) > MAX_NAME or not name.isidentifier() or name in self.known
+                or name in self.refused or len(self.known) >= MAX_PACKAGES):
+            return
+        self.known.add(name)
+        if name not in sys.modules:
+            self.pending.append((name, origin if isinstance(origin, str) else None))
+
+    def work(self) -> None:
+        """Probes and imports every pending package (the fork server is idle, or a round is
+        about to start)."""
+        start = time.monotonic()
+        while self.pending and self.tainted is None:
+            batch = [(n, o) for n, o in self.pending if n not in sys.modules]
+            self.pending = []
+            if not batch:
+                break
+            verdicts = probe(batch)
+            for v in verdicts:
+                why = v.refused
+                if why is None:
+                    why = checked_import(v.name, dict(batch).get(v.name))
+                    if why is not None:
+                        self.tainted = f"{v.name}: {why}"
+                if why is None:
+                    self.preloaded.append(v.name)
+                else:
+                    self.refused[v.name] = self.new_refused[v.name] = why
+                if self.tainted is not None:
+                    break
+            self.pending = batch[len(verdicts):] if self.tainted is None else []
+        self.seconds += time.monotonic() - start
+        if self.tainted is None and native_threads() > self.baseline:
+            self.tainted = f"{native_threads()} threads, {self.baseline} when it started"
+
+    def report(self) -> dict[str, Any]:
+        """What changed since the last report (then forgotten, except the refusals)."""
+        out = {"preloaded": self.preloaded, "refused": self.new_refused,
+               "seconds": round(self.seconds, 3), "tainted": self.tainted}
+        self.preloaded, self.new_refused, self.seconds = [], {}, 0.0
+        return out
