@@ -147,12 +147,15 @@ def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
     report = server.preloads()
     if report is None or not (report.preloaded or report.refused or report.tainted):
         return server
+    packages = [n for n in report.preloaded if "." not in n]
+    submodules = len(report.preloaded) - len(packages)
     if report.preloaded:
-        say(f"[elasticstore-run] preloaded for this round: {', '.join(report.preloaded)} "
+        more = f" and {submodules} submodule(s) of those" if submodules else ""
+        say(f"[elasticstore-run] preloaded for this round: {', '.join(packages) or '-'}{more} "
             f"({report.seconds:.1f}s)")
     for name, why in report.refused.items():
         say(f"[elasticstore-run] not preloaded: {name}: {why}")
-    events.emit("preload", preloaded=report.preloaded, refused=report.refused,
+    events.emit("preload", preloaded=packages, submodules=submodules, refused=report.refused,
                 seconds=report.seconds, tainted=report.tainted)
     if report.tainted is None:
         return server

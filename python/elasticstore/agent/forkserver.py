@@ -72,12 +72,7 @@ class _Server:
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
-        # Workers report their imports on imports_w (datagrams, see preload.ImportReporter).
-        self.learner = learner
-        self.imports_r, self.imports_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.imports_r.setblocking(False)
-        if learner is not None:
-            learner.baseline = _PRELOAD.native_threads()
+        self.learner = learner  # workers report their imports to it (preload.py)
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
@@ -87,19 +82,19 @@ class _Server:
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         learner = self.learner
         if learner is not None:
-            self.sel.register(self.imports_r, selectors.EVENT_READ)
+            self.sel.register(learner.pipe_r, selectors.EVENT_READ)
         while True:
             idle_work = self.deferred or (learner is not None and learner.pending)
             ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.workers else None)
             if not ready and self.deferred:
                 _import(self.deferred.pop(0))
                 if learner is not None:  # what the fork server itself imports is trusted
-                    learner.baseline = max(learner.baseline, _PRELOAD.native_threads())
+                    learner.rebase()
             elif not ready and learner is not None:
                 learner.work()
             for key, _ in ready:
-                if key.fileobj is self.imports_r:
-                    self._read_imports()
+                if learner is not None and key.fileobj == learner.pipe_r:
+                    learner.drain()
                     continue
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
@@ -120,48 +115,19 @@ class _Server:
                     return None
                 request = json.loads(msg)
                 if request.get("op") == "preload":
-                    self._preload(fds)
+                    _answer_preload(learner, fds)
                     continue
                 job = self._fork(request, fds)
                 if job is not None:
                     return job
 
-    def _read_imports(self) -> None:
-        assert self.learner is not None
-        for _ in range(100_000):
-            try:
-                data = self.imports_r.recv(_PRELOAD.MAX_REPORT)
-            except OSError:  # none left
-                return
-            self.learner.note(data)
-
-    def _preload(self, fds: list[int]) -> None:
-        """The agent's request before a round: finish preloading what the workers reported,
-        then say what was preloaded and refused since the last request."""
-        reply = socket.socket(fileno=fds[0])
-        for fd in fds[1:]:
-            os.close(fd)
-        report: dict[str, Any] = {"preloaded": [], "refused": {}, "seconds": 0.0, "tainted": None}
-        if self.learner is not None:
-            self._read_imports()
-            self.learner.work()
-            report = self.learner.report()
-        try:
-            reply.send(json.dumps(report).encode()[:_MAX_MSG])
-        except OSError:
-            pass
-        reply.close()
-
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         status = socket.socket(fileno=fds[0])
-        learner = self.learner
-        if learner is not None and learner.tainted is None and (
-                _PRELOAD.native_threads() > learner.baseline):
-            learner.tainted = f"{_PRELOAD.native_threads()} threads, {learner.baseline} at its start"
-        if learner is not None and learner.tainted is not None:
+        unsafe = self.learner.unsafe() if self.learner is not None else None
+        if unsafe is not None:
             # Forking a process with threads is unsafe: the agent starts a fresh fork server.
             try:
-                status.send(f"refused: not safe to fork ({learner.tainted})".encode())
+                status.send(f"refused: not safe to fork ({unsafe})".encode())
             except OSError:
                 pass
             for fd in fds:
@@ -176,8 +142,7 @@ class _Server:
             job["fds"] = fds[1:]
             job["parent"] = os.getppid()
             job["status"] = os.dup(status.fileno())  # the child says "pid" once it leads its group
-            # detached: the descriptor outlives this object (collected once serve() returns)
-            job["imports"] = self.imports_w.detach() if self.learner is not None else None
+            job["imports"] = self.learner.pipe_w if self.learner is not None else None
             self._close_in_child(status)
             return job
         for fd in fds[1:]:
@@ -188,11 +153,10 @@ class _Server:
     def _close_in_child(self, status: socket.socket) -> None:
         signal.set_wakeup_fd(-1)
         self.sel.close()
-        for sock in (self.ctl, self.wake_r, self.wake_w, status, self.imports_r,
-                     *self.workers.values()):
+        for sock in (self.ctl, self.wake_r, self.wake_w, status, *self.workers.values()):
             sock.close()
-        if self.learner is None:
-            self.imports_w.close()
+        if self.learner is not None:
+            os.close(self.learner.pipe_r)
 
     def _reap(self) -> None:
         for _ in range(100_000):
@@ -229,6 +193,24 @@ class _Server:
             self._reap()
             time.sleep(0.01)
         self._reap()
+
+
+def _answer_preload(learner: _preload_module.Preloader | None, fds: list[int]) -> None:
+    """The agent's request before a round: finish preloading what the workers reported, then
+    say what was preloaded and refused since the last request (on the descriptor it sent)."""
+    reply = socket.socket(fileno=fds[0])
+    for fd in fds[1:]:
+        os.close(fd)
+    report: dict[str, Any] = {"preloaded": [], "refused": {}, "seconds": 0.0, "tainted": None}
+    if learner is not None:
+        learner.drain()
+        learner.work()
+        report = learner.report()
+    try:
+        reply.send(json.dumps(report).encode()[:_MAX_MSG])
+    except OSError:
+        pass
+    reply.close()
 
 
 def _children() -> list[int]:

@@ -24,7 +24,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,8 +34,9 @@ __all__ = ["ImportReporter", "Preloader", "Verdict", "native_threads", "third_pa
 
 SITE_DIR_NAMES = ("site-packages", "dist-packages")
 MAX_NAME = 200  # longer reported names are ignored (no module is named like that)
-MAX_REPORT = 4096  # bytes of one report datagram (name and origin)
-MAX_PACKAGES = 2000  # distinct names a fork server takes from its workers
+MAX_REPORT = 4000  # bytes of one report line (under PIPE_BUF: written at once by any worker)
+MAX_PACKAGES = 50_000  # distinct module names a fork server takes from its workers
+REPORT_PIPE_BYTES = 1 << 20  # the report pipe's buffer (Linux's F_SETPIPE_SZ)
 PROBE_TIMEOUT_S = 300.0  # a probe that imports for longer is killed and its package refused
 PR_SET_PDEATHSIG = 1
 
@@ -93,36 +93,46 @@ def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
 
 
 class ImportReporter:
-    """First on a warm worker's ``sys.meta_path``: for each top-level module the worker imports,
-    finds its spec through the finders after it (as the import system would, and returns that
-    spec) and, when it is third-party, sends ``{"name", "origin"}`` to the fork server (one
-    datagram, never blocking: a full or closed socket drops it)."""
+    """First on a warm worker's ``sys.meta_path``: for each module the worker imports, finds its
+    spec through the finders after it (as the import system would, and returns that spec); a
+    third-party top-level module is reported with its origin (``{"name", "origin"}``), and so is
+    each submodule of one (``{"name"}``: packages that import their submodules lazily, as
+    transformers does, are mostly submodules). One line per module on a pipe to the fork server,
+    written at once (a SIGKILLed worker has reported what it imported) and never blocking: a
+    full or closed pipe drops it."""
 
     def __init__(self, fd: int) -> None:
-        self._sock = socket.socket(fileno=fd)
-        self._sock.setblocking(False)
-        self._seen: set[str] = set()
+        self._fd = fd
+        self._third_party: set[str] = set()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
-        if path is not None or "." in name or name in self._seen:
+        top = name.partition(".")[0]
+        if top != name and top not in self._third_party:
             return None
-        self._seen.add(name)
         finders = sys.meta_path
         spec = None
         for finder in finders[finders.index(self) + 1:] if self in finders else []:
             find = getattr(finder, "find_spec", None)
             if find is None:
                 return None  # a finder of the old kind: the import system's own way
-            spec = find(name, None, target)
+            spec = find(name, path, target)
             if spec is not None:
                 break
-        if spec is not None:
+        if spec is None:
+            return None
+        report: dict[str, str] = {"name": name}
+        if top == name:
             origin = third_party_origin(spec, sys.path)
-            if origin is not None:
-                try:
-                    self._sock.send(json.dumps({"name": name, "origin": origin}).encode())
-                except OSError:
-                    pass
+            if origin is None:
+                return spec
+            self._third_party.add(name)
+            report["origin"] = origin
+        line = json.dumps(report).encode() + b"\n"
+        if len(line) <= MAX_REPORT:
+            try:
+                os.write(self._fd, line)
+            except OSError:
+                pass
         return spec
 
 
@@ -225,16 +235,56 @@ class Preloader:
     new_refused: dict[str, str] = field(default_factory=dict)  # since the last report
     seconds: float = 0.0
     tainted: str | None = None  # why this process must not fork any more
-    baseline: int = 0  # native threads when the fork server was ready
+    baseline: int = field(default_factory=native_threads)  # when the fork server was ready
+    pipe_r: int = -1  # the workers write their reports on pipe_w (one line each)
+    pipe_w: int = -1
+    _partial: bytes = b""
 
-    def note(self, data: bytes) -> None:
-        """A worker's report (one datagram)."""
+    def __post_init__(self) -> None:
+        self.pipe_r, self.pipe_w = os.pipe()
+        os.set_blocking(self.pipe_r, False)
+        os.set_blocking(self.pipe_w, False)  # a worker drops a report rather than wait
         try:
-            msg = json.loads(data)
+            import fcntl
+
+            fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, REPORT_PIPE_BYTES)
+        except (ImportError, AttributeError, OSError):
+            pass
+
+    def rebase(self) -> None:
+        """The fork server imported something of its own (trusted): its threads are the norm."""
+        self.baseline = max(self.baseline, native_threads())
+
+    def unsafe(self) -> str | None:
+        """Why this process must not fork (None: it may)."""
+        if self.tainted is None and native_threads() > self.baseline:
+            self.tainted = f"{native_threads()} threads, {self.baseline} when it was ready"
+        return self.tainted
+
+    def drain(self) -> None:
+        """Reads the workers' reports waiting in the pipe."""
+        for _ in range(100_000):
+            try:
+                data = os.read(self.pipe_r, 1 << 16)
+            except OSError:  # none left
+                return
+            if not data:
+                return
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            for line in lines:
+                self.note(line)
+            if len(self._partial) > MAX_REPORT:
+                self._partial = b""
+
+    def note(self, line: bytes) -> None:
+        """A worker's report (one line)."""
+        try:
+            msg = json.loads(line)
             name, origin = str(msg["name"]), msg.get("origin")
         except (ValueError, KeyError, TypeError):
             return
-        if (len(name) > MAX_NAME or not name.isidentifier() or name in self.known
+        if (len(name) > MAX_NAME or not all(p.isidentifier() for p in name.split("."))
+                or name in self.known or name.partition(".")[0] in self.refused
                 or name in self.refused or len(self.known) >= MAX_PACKAGES):
             return
         self.known.add(name)
