@@ -22,7 +22,9 @@ from elasticstore.run import parse
 
 JOB = program("preload_job.py")
 SLOW_IMPORT_S = 1.0
-MODULES = "slowpkg,threadpkg,projmod,preload_localmod"
+# slowpkg.lazy: a submodule imported on use (as transformers imports its own); slowpkg.optional:
+# one whose import fails (an optional dependency that is not installed).
+MODULES = "slowpkg,slowpkg.lazy,?slowpkg.optional,threadpkg,projmod,preload_localmod"
 
 
 def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
@@ -35,6 +37,8 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
         os.makedirs(d)
     files = {
         os.path.join(site, "slowpkg", "__init__.py"): f"import time\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "lazy.py"): f"import time\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "optional.py"): "import not_installed_anywhere\n",
         os.path.join(site, "threadpkg.py"):
             "import threading, time\n"
             "threading.Thread(target=time.sleep, args=(3600,), daemon=True, name='poller').start()\n",
@@ -89,13 +93,17 @@ def test_next_round_finds_the_packages_the_workers_imported(tmp_path: object) ->
     assert rec[0]["loaded_at_start"] == [], out
     assert rec[0]["import_seconds"]["slowpkg"] >= SLOW_IMPORT_S * 0.9
     # The restarted worker starts with the slow package imported: it does not pay its import.
-    assert rec[1]["loaded_at_start"] == ["slowpkg"], out
+    assert rec[1]["loaded_at_start"] == ["slowpkg", "slowpkg.lazy"], out
     assert rec[1]["import_seconds"]["slowpkg"] < 0.1
-    assert "preloaded for this round: slowpkg" in out
+    assert rec[1]["import_seconds"]["slowpkg.lazy"] < 0.1
+    assert "preloaded for this round: slowpkg and 1 submodule(s) of those" in out
+    assert "1 submodule(s) skipped (ImportError" in out
+    assert "slowpkg.optional" not in out
     # A package whose import starts a thread is refused (the fork server must stay fork-safe).
     assert "not preloaded: threadpkg: its import started a thread" in out, out
     [event] = _events(workdir, "preload")
     assert event["preloaded"] == ["slowpkg"]
+    assert event["submodules"] == 1 and event["unavailable"] == 1
     assert list(event["refused"]) == ["threadpkg"]
     assert "started a thread" in event["refused"]["threadpkg"]
     # The script's own modules and project code on PYTHONPATH are never preloaded (nor named).

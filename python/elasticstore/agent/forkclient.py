@@ -36,7 +36,8 @@ class PreloadReport:
     preloaded: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    tainted: str | None = None  # the server is no longer safe to fork (and forks no more)
+    tainted: str | None = None
+    unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)  # the server is no longer safe to fork (and forks no more)
 
 
 class ForkServer:
@@ -106,7 +107,8 @@ class ForkServer:
             return None
         report = PreloadReport([str(n) for n in msg.get("preloaded", [])],
                                {str(k): str(v) for k, v in msg.get("refused", {}).items()},
-                               float(msg.get("seconds", 0.0)), msg.get("tainted"))
+                               float(msg.get("seconds", 0.0)), msg.get("tainted"),
+                               int(msg.get("unavailable", 0)))
         self.refused.update(report.refused)
         return report
 
@@ -151,12 +153,14 @@ def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
     submodules = len(report.preloaded) - len(packages)
     if report.preloaded:
         more = f" and {submodules} submodule(s) of those" if submodules else ""
+        skipped = (f"; {report.unavailable} submodule(s) skipped (ImportError: an optional "
+                   "dependency is missing)") if report.unavailable else ""
         say(f"[elasticstore-run] preloaded for this round: {', '.join(packages) or '-'}{more} "
-            f"({report.seconds:.1f}s)")
+            f"({report.seconds:.1f}s){skipped}")
     for name, why in report.refused.items():
         say(f"[elasticstore-run] not preloaded: {name}: {why}")
     events.emit("preload", preloaded=packages, submodules=submodules, refused=report.refused,
-                seconds=report.seconds, tainted=report.tainted)
+                unavailable=report.unavailable, seconds=report.seconds, tainted=report.tainted)
     if report.tainted is None:
         return server
     say(f"[elasticstore-run] the fork server is not safe to fork any more ({report.tainted}): "

@@ -142,6 +142,10 @@ class Verdict:
     refused: str | None  # why, or None: preloaded
 
 
+_IMPORT_FAILED = "its import failed: "
+_IMPORT_ERRORS = (f"{_IMPORT_FAILED}ImportError:", f"{_IMPORT_FAILED}ModuleNotFoundError:")
+
+
 def checked_import(name: str, origin: str | None) -> str | None:
     """Imports ``name``; returns why it must not stay in a fork server (None: fine)."""
     import importlib
@@ -151,7 +155,7 @@ def checked_import(name: str, origin: str | None) -> str | None:
     try:
         module = importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 - a package's import may raise anything
-        return f"its import failed: {type(exc).__name__}: {str(exc)[:200]}"
+        return f"{_IMPORT_FAILED}{type(exc).__name__}: {str(exc)[:200]}"
     after = (_python_threads(), native_threads())
     if after[0] > before[0] or after[1] > before[1]:
         threading = sys.modules.get("threading")
@@ -233,6 +237,9 @@ class Preloader:
     known: set[str] = field(default_factory=set)
     preloaded: list[str] = field(default_factory=list)  # since the last report
     new_refused: dict[str, str] = field(default_factory=dict)  # since the last report
+    # Submodules whose import raised ImportError (an optional dependency that is not installed:
+    # the worker's own attempt failed the same way), since the last report: not worth a line each.
+    unavailable: int = 0
     seconds: float = 0.0
     tainted: str | None = None  # why this process must not fork any more
     baseline: int = field(default_factory=native_threads)  # when the fork server was ready
@@ -309,6 +316,9 @@ class Preloader:
                         self.tainted = f"{v.name}: {why}"
                 if why is None:
                     self.preloaded.append(v.name)
+                elif "." in v.name and why.startswith(_IMPORT_ERRORS):
+                    self.refused[v.name] = why
+                    self.unavailable += 1
                 else:
                     self.refused[v.name] = self.new_refused[v.name] = why
                 if self.tainted is not None:
@@ -321,6 +331,7 @@ class Preloader:
     def report(self) -> dict[str, Any]:
         """What changed since the last report (then forgotten, except the refusals)."""
         out = {"preloaded": self.preloaded, "refused": self.new_refused,
+               "unavailable": self.unavailable,
                "seconds": round(self.seconds, 3), "tainted": self.tainted}
-        self.preloaded, self.new_refused, self.seconds = [], {}, 0.0
+        self.preloaded, self.new_refused, self.seconds, self.unavailable = [], {}, 0.0, 0
         return out

@@ -1,8 +1,9 @@
 """A worker script for the preloading tests: records which of the given modules were already
 imported when it started (the fork server preloaded them) and how long importing them took.
 
-``--dir D --modules a,b,c``: imports each (after noting which are in ``sys.modules``), writes
-``preload-<attempt>-<rank>.json`` to D, then rank 0 exits 1 in attempt 0 (a restart).
+``--dir D --modules a,b.c,?d``: imports each (after noting which are in ``sys.modules``; ``?``: an
+ImportError is expected and ignored), writes ``preload-<attempt>-<rank>.json`` to D, then rank 0
+exits 1 in attempt 0 (a restart).
 """
 
 import argparse
@@ -22,7 +23,11 @@ loaded = [n for n in names if n in _AT_START]
 took = {}
 for name in names:
     t0 = time.monotonic()
-    __import__(name)
+    try:
+        __import__(name.lstrip("?"))
+    except ImportError:
+        if not name.startswith("?"):
+            raise
     took[name] = time.monotonic() - t0
 attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
 path = os.path.join(args.dir, f"preload-{attempt}-{rank}.json")
