@@ -36,7 +36,8 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
     for d in (os.path.join(site, "slowpkg"), proj, app):
         os.makedirs(d)
     files = {
-        os.path.join(site, "slowpkg", "__init__.py"): f"import time\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "__init__.py"):
+            f"import os, time\nRANK = os.environ.get('LOCAL_RANK')\ntime.sleep({SLOW_IMPORT_S})\n",
         os.path.join(site, "slowpkg", "lazy.py"): f"import time\ntime.sleep({SLOW_IMPORT_S})\n",
         os.path.join(site, "slowpkg", "optional.py"): "import not_installed_anywhere\n",
         os.path.join(site, "threadpkg.py"):
@@ -99,11 +100,14 @@ def test_next_round_finds_the_packages_the_workers_imported(tmp_path: object) ->
     assert "preloaded for this round: slowpkg and 1 submodule(s) of those" in out
     assert "1 submodule(s) skipped (ImportError" in out
     assert "slowpkg.optional" not in out
+    # Preloaded, but named: what its import read from the environment is the fork server's.
+    assert "preloaded slowpkg, whose import looks up LOCAL_RANK: it saw the fork server's" in out
     # A package whose import starts a thread is refused (the fork server must stay fork-safe).
     assert "not preloaded: threadpkg: its import started a thread" in out, out
     [event] = _events(workdir, "preload")
     assert event["preloaded"] == ["slowpkg"]
     assert event["submodules"] == 1 and event["unavailable"] == 1
+    assert event["env_reads"] == {"slowpkg": ["LOCAL_RANK"]}
     assert list(event["refused"]) == ["threadpkg"]
     assert "started a thread" in event["refused"]["threadpkg"]
     # The script's own modules and project code on PYTHONPATH are never preloaded (nor named).
@@ -169,6 +173,23 @@ def test_third_party_is_what_a_site_directory_holds(tmp_path: object) -> None:
 
 def _no(name: str) -> Any:
     raise AssertionError(f"{name} not found")
+
+
+def test_worker_variables_are_those_the_agent_sets() -> None:
+    """The variables whose lookup at import is reported are those the agent sets per worker."""
+    from types import SimpleNamespace
+
+    from elasticstore.agent.config import AgentSettings
+    from elasticstore.agent.envs import worker_env
+    from elasticstore.agent.preload import WORKER_VARIABLES
+
+    settings = AgentSettings(entrypoint="x.py", args=(), nproc=1, run_id="r", host="h",
+                             token_file="/token")
+    info = SimpleNamespace(bootstrap_store_info=None, rank=0, world_size=1)
+    env = worker_env(settings, info, True, 0, 0, 0, 1, "/error.json")  # type: ignore[arg-type]
+    set_by_agent = {k for k, v in env.items() if os.environ.get(k) != v}
+    assert set_by_agent - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= WORKER_VARIABLES
+    assert WORKER_VARIABLES <= set(env)
 
 
 def test_no_preload_imports_flag_and_its_environment_variable() -> None:

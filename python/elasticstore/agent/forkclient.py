@@ -37,7 +37,9 @@ class PreloadReport:
     refused: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     tainted: str | None = None
-    unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)  # the server is no longer safe to fork (and forks no more)
+    unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)
+    # preloaded although its import looked up worker variables (unset in the fork server)
+    env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
 
 
 class ForkServer:
@@ -108,7 +110,9 @@ class ForkServer:
         report = PreloadReport([str(n) for n in msg.get("preloaded", [])],
                                {str(k): str(v) for k, v in msg.get("refused", {}).items()},
                                float(msg.get("seconds", 0.0)), msg.get("tainted"),
-                               int(msg.get("unavailable", 0)))
+                               int(msg.get("unavailable", 0)),
+                               {str(k): [str(x) for x in v]
+                                for k, v in msg.get("env_reads", {}).items()})
         self.refused.update(report.refused)
         return report
 
@@ -157,10 +161,15 @@ def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
                    "dependency is missing)") if report.unavailable else ""
         say(f"[elasticstore-run] preloaded for this round: {', '.join(packages) or '-'}{more} "
             f"({report.seconds:.1f}s){skipped}")
+    for name, variables in report.env_reads.items():
+        say(f"[elasticstore-run] preloaded {name}, whose import looks up {', '.join(variables)}: "
+            "it saw the fork server's environment, where they are unset (--no-preload-imports "
+            "if it matters)")
     for name, why in report.refused.items():
         say(f"[elasticstore-run] not preloaded: {name}: {why}")
     events.emit("preload", preloaded=packages, submodules=submodules, refused=report.refused,
-                unavailable=report.unavailable, seconds=report.seconds, tainted=report.tainted)
+                unavailable=report.unavailable, env_reads=report.env_reads,
+                seconds=report.seconds, tainted=report.tainted)
     if report.tainted is None:
         return server
     say(f"[elasticstore-run] the fork server is not safe to fork any more ({report.tainted}): "

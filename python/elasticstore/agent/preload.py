@@ -140,6 +140,34 @@ class ImportReporter:
 class Verdict:
     name: str
     refused: str | None  # why, or None: preloaded
+    env_reads: list[str] = field(default_factory=list)  # worker variables its import looked up
+
+
+# What the agent sets for each worker (envs.worker_env) and so differs between workers or rounds:
+# the fork server's environment has none of them, and a module that reads one at import keeps
+# what it saw there.
+WORKER_VARIABLES = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    "ELASTICSTORE_ADDR", "ELASTICSTORE_HOST", "ELASTICSTORE_PORT", "ELASTICSTORE_PREFIX",
+    "ELASTICSTORE_RUN_ID", "ELASTICSTORE_TOKEN_FILE",
+})
+
+
+def _record_env_reads(reads: list[str]) -> None:
+    """From now on (a probe), every lookup of a worker variable in ``os.environ`` (``[]``,
+    ``get``, ``in``, ``os.getenv``) is appended to ``reads``."""
+    base = type(os.environ)
+
+    class Recording(base):  # type: ignore[valid-type, misc]
+        def __getitem__(self, key: str) -> str:
+            if key in WORKER_VARIABLES:
+                reads.append(key)
+            return base.__getitem__(self, key)  # type: ignore[no-any-return]
+
+    os.environ.__class__ = Recording
 
 
 _IMPORT_FAILED = "its import failed: "
@@ -150,6 +178,8 @@ def checked_import(name: str, origin: str | None) -> str | None:
     """Imports ``name``; returns why it must not stay in a fork server (None: fine)."""
     import importlib
 
+    if name in sys.modules:
+        return None
     before = (_python_threads(), native_threads())
     cuda_before = _cuda_state()
     try:
@@ -182,9 +212,13 @@ def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
+    reads: list[str] = []
+    _record_env_reads(reads)
     for name, origin in names:
         why = checked_import(name, origin)
-        os.write(out, (json.dumps({"name": name, "refused": why}) + "\n").encode())
+        verdict = {"name": name, "refused": why, "env_reads": sorted(set(reads))}
+        os.write(out, (json.dumps(verdict) + "\n").encode())
+        reads.clear()
         if why is not None:
             break
 
@@ -220,7 +254,8 @@ def probe(names: list[tuple[str, str | None]], timeout: float = PROBE_TIMEOUT_S)
     except OSError:
         pass
     os.waitpid(pid, 0)
-    verdicts = [Verdict(v["name"], v["refused"]) for v in map(json.loads, data.decode().splitlines())]
+    verdicts = [Verdict(v["name"], v["refused"], v["env_reads"])
+                for v in map(json.loads, data.decode().splitlines())]
     if len(verdicts) < len(names) and (not verdicts or verdicts[-1].refused is None):
         name = names[len(verdicts)][0]
         verdicts.append(Verdict(name, f"its import did not end within {timeout:.0f}s or "
@@ -240,6 +275,9 @@ class Preloader:
     # Submodules whose import raised ImportError (an optional dependency that is not installed:
     # the worker's own attempt failed the same way), since the last report: not worth a line each.
     unavailable: int = 0
+    # Preloaded although their import looked up a worker variable (it saw none): since the last
+    # report, name -> the variables.
+    env_reads: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
     tainted: str | None = None  # why this process must not fork any more
     baseline: int = field(default_factory=native_threads)  # when the fork server was ready
@@ -316,6 +354,8 @@ class Preloader:
                         self.tainted = f"{v.name}: {why}"
                 if why is None:
                     self.preloaded.append(v.name)
+                    if v.env_reads:
+                        self.env_reads[v.name] = v.env_reads
                 elif "." in v.name and why.startswith(_IMPORT_ERRORS):
                     self.refused[v.name] = why
                     self.unavailable += 1
@@ -331,7 +371,8 @@ class Preloader:
     def report(self) -> dict[str, Any]:
         """What changed since the last report (then forgotten, except the refusals)."""
         out = {"preloaded": self.preloaded, "refused": self.new_refused,
-               "unavailable": self.unavailable,
+               "unavailable": self.unavailable, "env_reads": self.env_reads,
                "seconds": round(self.seconds, 3), "tainted": self.tainted}
         self.preloaded, self.new_refused, self.seconds, self.unavailable = [], {}, 0.0, 0
+        self.env_reads = {}
         return out
