@@ -9,7 +9,8 @@ Face ``Trainer`` (``framework_job.py``; gloo, CPU, one node, 2 workers), under
 Each cell: start the launcher, wait until every worker took its first step and then ``--settle``
 seconds (the fork server preloads while the job trains), SIGKILL rank 1, time until every worker
 of the new round took its first step. Lightning, transformers and accelerate must be installed
-(``pip install lightning transformers accelerate``); a framework that is not is skipped.
+(measured with ``pip install lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0``); a
+framework that is not is skipped. Results: ``results/frameworks.md``.
 
     python benchmarks/frameworks.py [--frameworks torch,lightning,hf] [--repeat 1] [--settle 10]
 """
@@ -86,8 +87,8 @@ def cell(framework: str, peer: str, settle: float) -> dict[str, Any]:
                     out = a.output(agent)
                     pre = [ln.split(": ", 1)[1] for ln in out.splitlines()
                            if "preloaded for this round:" in ln]
-                    refused = [ln.split("not preloaded: ", 1)[1] for ln in out.splitlines()
-                               if "not preloaded: " in ln]
+                    refused = [ln.split("] ", 1)[1] for ln in out.splitlines()
+                               if "not preloaded: " in ln or ", whose import looks up " in ln]
                     return {"cold": cold, "recover": max(steps.values()) - killed,
                             "preloaded": pre[-1] if pre else "", "refused": refused}
                 time.sleep(0.02)
@@ -118,7 +119,7 @@ def main() -> None:
                     f"cold {r['cold']:.2f}s  kill -> first step {r['recover']:.2f}s"
                     if "recover" in r else f"ERROR {r}"), flush=True)
                 for line in r.get("refused", []):
-                    print(f"    not preloaded: {line}", flush=True)
+                    print(f"    {line}", flush=True)
     print("\n| framework | launcher | cold start -> first step | worker SIGKILL -> new round's first step | preloaded |")
     print("|---|---|---|---|---|")
     for fw, peer, r in rows:

@@ -6,6 +6,7 @@ package whose import starts a thread is refused and named; ``--no-preload-import
 
 from __future__ import annotations
 
+import _bisect
 import glob
 import json
 import os
@@ -24,7 +25,7 @@ JOB = program("preload_job.py")
 SLOW_IMPORT_S = 1.0
 # slowpkg.lazy: a submodule imported on use (as transformers imports its own); slowpkg.optional:
 # one whose import fails (an optional dependency that is not installed).
-MODULES = "slowpkg,slowpkg.lazy,?slowpkg.optional,threadpkg,projmod,preload_localmod"
+MODULES = "slowpkg,slowpkg.lazy,?slowpkg.optional,threadpkg,cudapkg,projmod,preload_localmod"
 
 
 def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
@@ -35,6 +36,9 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
     app = os.path.join(workdir, "app")
     for d in (os.path.join(site, "slowpkg"), proj, app):
         os.makedirs(d)
+    driver = os.path.join(workdir, "driver", "libcuda.so.1")
+    os.makedirs(os.path.dirname(driver))
+    shutil.copy(_bisect.__file__, driver)
     files = {
         os.path.join(site, "slowpkg", "__init__.py"):
             f"import os, time\nRANK = os.environ.get('LOCAL_RANK')\ntime.sleep({SLOW_IMPORT_S})\n",
@@ -43,6 +47,8 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
         os.path.join(site, "threadpkg.py"):
             "import threading, time\n"
             "threading.Thread(target=time.sleep, args=(3600,), daemon=True, name='poller').start()\n",
+        # Loads a library named as the CUDA driver is (any shared library will do on a CPU host).
+        os.path.join(site, "cudapkg.py"): f"import ctypes\nctypes.CDLL({driver!r})\n",
         os.path.join(proj, "projmod.py"): "VALUE = 1\n",
         os.path.join(app, "preload_localmod.py"): "VALUE = 2\n",
     }
@@ -104,11 +110,14 @@ def test_next_round_finds_the_packages_the_workers_imported(tmp_path: object) ->
     assert "preloaded slowpkg, whose import looks up LOCAL_RANK: it saw the fork server's" in out
     # A package whose import starts a thread is refused (the fork server must stay fork-safe).
     assert "not preloaded: threadpkg: its import started a thread" in out, out
+    # One whose import loads the CUDA driver too (a fork of it could not use CUDA).
+    assert "not preloaded: cudapkg: its import loaded the CUDA driver" in out, out
+    assert "cudapkg" not in rec[1]["loaded_at_start"]
     [event] = _events(workdir, "preload")
     assert event["preloaded"] == ["slowpkg"]
     assert event["submodules"] == 1 and event["unavailable"] == 1
     assert event["env_reads"] == {"slowpkg": ["LOCAL_RANK"]}
-    assert list(event["refused"]) == ["threadpkg"]
+    assert list(event["refused"]) == ["threadpkg", "cudapkg"]
     assert "started a thread" in event["refused"]["threadpkg"]
     # The script's own modules and project code on PYTHONPATH are never preloaded (nor named).
     for name in ("projmod", "preload_localmod", "preload_job", "elasticstore"):

@@ -73,6 +73,7 @@ class _Server:
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.learner = learner  # workers report their imports to it (preload.py)
+        self.forked = False
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
@@ -85,7 +86,8 @@ class _Server:
             self.sel.register(learner.pipe_r, selectors.EVENT_READ)
         while True:
             idle_work = self.deferred or (learner is not None and learner.pending)
-            ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.workers else None)
+            # Idle work waits for the first fork: the first round never waits for it.
+            ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.forked else None)
             if not ready and self.deferred:
                 _import(self.deferred.pop(0))
                 if learner is not None:  # what the fork server itself imports is trusted
@@ -130,13 +132,15 @@ class _Server:
                 status.send(f"refused: not safe to fork ({unsafe})".encode())
             except OSError:
                 pass
-            for fd in fds:
+            status.close()
+            for fd in fds[1:]:
                 os.close(fd)
             return None
         # Everything imported so far moves to the collector's permanent generation: a worker's
         # collections (and its exit) never traverse torch's objects, and never write to their
         # pages, which then stay shared with this process (Python's advice for fork without exec).
         gc.freeze()
+        self.forked = True
         pid = os.fork()
         if pid == 0:
             job["fds"] = fds[1:]

@@ -92,6 +92,14 @@ def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
     return os.path.realpath(locations[0])
 
 
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class ImportReporter:
     """First on a warm worker's ``sys.meta_path``: for each module the worker imports, finds its
     spec through the finders after it (as the import system would, and returns that spec); a
@@ -103,6 +111,7 @@ class ImportReporter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        self._pipe = _identity(fd)
         self._third_party: set[str] = set()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
@@ -128,7 +137,8 @@ class ImportReporter:
             self._third_party.add(name)
             report["origin"] = origin
         line = json.dumps(report).encode() + b"\n"
-        if len(line) <= MAX_REPORT:
+        # The script may have closed the descriptor and opened a file of its own under it.
+        if len(line) <= MAX_REPORT and _identity(self._fd) == self._pipe:
             try:
                 os.write(self._fd, line)
             except OSError:
