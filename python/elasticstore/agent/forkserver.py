@@ -311,18 +311,6 @@ def _run_script(main_module: types.ModuleType, path: str) -> None:
     exec(code, main_module.__dict__)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _exec(job: dict[str, Any]) -> None:
     argv = job["argv"]
     try:

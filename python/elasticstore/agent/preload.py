@@ -20,6 +20,7 @@ Standard library only: the fork server (run as a script) loads this file by its 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -75,6 +76,12 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+@functools.lru_cache(maxsize=8)
+def _real_entries(path: tuple[str, ...], cwd: str) -> list[str]:
+    """``path`` resolved (relative entries against ``cwd``): once per path, not per import."""
+    return [os.path.realpath(os.path.join(cwd, p)) for p in path]
+
+
 def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
     """Where a top-level module was found, when that is a site directory of ``path`` (else
     None): the longest ``path`` entry holding its file (or its package directories) must be named
@@ -83,7 +90,7 @@ def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
     locations = [loc for loc in found if isinstance(loc, str) and os.path.isabs(loc)]
     if not locations or len(locations) < len(found):
         return None  # built-in, frozen, or a finder of its own
-    entries = [os.path.realpath(p or os.curdir) for p in path if isinstance(p, str)]
+    entries = _real_entries(tuple(p for p in path if isinstance(p, str)), os.getcwd())
     for loc in locations:
         real = os.path.realpath(loc)
         holders = [e for e in entries if _within(real, e)]
