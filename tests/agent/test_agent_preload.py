@@ -25,7 +25,7 @@ JOB = program("preload_job.py")
 SLOW_IMPORT_S = 1.0
 # slowpkg.lazy: a submodule imported on use (as transformers imports its own); slowpkg.optional:
 # one whose import fails (an optional dependency that is not installed).
-MODULES = "slowpkg,slowpkg.lazy,?slowpkg.optional,threadpkg,cudapkg,projmod,preload_localmod"
+MODULES = "threadpkg,cudapkg,slowpkg,slowpkg.lazy,?slowpkg.optional,projmod,preload_localmod"
 
 
 def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
@@ -39,10 +39,13 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
     driver = os.path.join(workdir, "driver", "libcuda.so.1")
     os.makedirs(os.path.dirname(driver))
     shutil.copy(_bisect.__file__, driver)
+    # Each package says who imported it: the worker, the fork server's probe or the fork server.
+    said = (f"import os\nwith open({os.path.join(workdir, 'imports.log')!r}, 'a') as f:\n"
+            "    f.write(f'{__name__} {os.getpid()} {os.getppid()}\\n')\n")
     files = {
         os.path.join(site, "slowpkg", "__init__.py"):
             f"import os, time\nRANK = os.environ.get('LOCAL_RANK')\ntime.sleep({SLOW_IMPORT_S})\n",
-        os.path.join(site, "slowpkg", "lazy.py"): f"import time\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "lazy.py"): f"{said}import time\ntime.sleep({SLOW_IMPORT_S})\n",
         os.path.join(site, "slowpkg", "optional.py"): "import not_installed_anywhere\n",
         os.path.join(site, "threadpkg.py"):
             "import threading, time\n"
@@ -53,7 +56,7 @@ def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dic
         os.path.join(app, "preload_localmod.py"): "VALUE = 2\n",
     }
     for name, text in (extra or {}).items():
-        files[os.path.join(site, name)] = text
+        files[os.path.join(site, name)] = said + text
     for path, text in files.items():
         with open(path, "w") as f:
             f.write(text)
@@ -79,12 +82,14 @@ def _events(workdir: str, name: str) -> list[dict[str, Any]]:
 
 
 def _run(workdir: str, flags: list[str], modules: str = MODULES,
-         extra: dict[str, str] | None = None) -> str:
+         extra: dict[str, str] | None = None, await_import: str | None = None) -> str:
+    """Two rounds: rank 0 fails after its imports (once ``await_import`` was preloaded)."""
     script, env = _layout(workdir, extra)
+    wait = ["--await-server-import", await_import] if await_import else []
     with agents(workdir) as a:
         agent = a.start(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
                          "--log-dir", os.path.join(workdir, "logs"),
-                         *flags], ["--dir", workdir, "--modules", modules],
+                         *flags], ["--dir", workdir, "--modules", modules, *wait],
                         name="n1", script=script, env=env)
         code = a.wait(agent, 300)
         out = a.output(agent)
@@ -95,7 +100,9 @@ def _run(workdir: str, flags: list[str], modules: str = MODULES,
 @pytest.mark.slow
 def test_next_round_finds_the_packages_the_workers_imported(tmp_path: object) -> None:
     workdir = str(tmp_path)
-    out = _run(workdir, [])
+    # The refusals come first (the worker's import order), then the slow ones: once the fork
+    # server imported slowpkg.lazy, the last one preloaded, everything was decided.
+    out = _run(workdir, [], await_import="slowpkg.lazy")
     rec = _records(workdir)
     assert rec[0]["loaded_at_start"] == [], out
     assert rec[0]["import_seconds"]["slowpkg"] >= SLOW_IMPORT_S * 0.9
@@ -150,7 +157,8 @@ def test_fork_server_that_got_a_thread_is_replaced(tmp_path: object) -> None:
                  "    f.write('x')\n"
                  "if n == 2:\n"
                  "    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
-    out = _run(workdir, [], modules="sometimes", extra={"sometimes.py": sometimes})
+    out = _run(workdir, [], modules="sometimes", extra={"sometimes.py": sometimes},
+               await_import="sometimes")
     assert "not preloaded: sometimes: its import started a thread" in out, out
     assert "the fork server is not safe to fork any more (sometimes: " in out, out
     assert sorted(_records(workdir)) == [0, 1]

@@ -30,6 +30,7 @@ import gc
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -93,7 +94,7 @@ class _Server:
                 if learner is not None:  # what the fork server itself imports is trusted
                     learner.rebase()
             elif not ready and learner is not None:
-                learner.work()
+                learner.work(self._busy)
             for key, _ in ready:
                 if learner is not None and key.fileobj == learner.pipe_r:
                     learner.drain()
@@ -122,6 +123,16 @@ class _Server:
                 job = self._fork(request, fds)
                 if job is not None:
                     return job
+
+    def _busy(self) -> bool:
+        """Asked during idle work: reports workers' exits at once (the agent reacts to a
+        failure without waiting for a preload); True: the agent wants something."""
+        try:
+            if self.wake_r.recv(512):
+                self._reap(workers_only=True)  # not a probe: it waits for its own child
+        except BlockingIOError:
+            pass
+        return bool(select.select([self.ctl], [], [], 0)[0])
 
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         status = socket.socket(fileno=fds[0])
@@ -162,7 +173,16 @@ class _Server:
         if self.learner is not None:
             os.close(self.learner.pipe_r)
 
-    def _reap(self) -> None:
+    def _reap(self, workers_only: bool = False) -> None:
+        if workers_only:
+            for pid in list(self.workers):
+                try:
+                    found, wstatus = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue
+                if found == pid:
+                    self._reaped(pid, wstatus)
+            return
         for _ in range(100_000):
             try:
                 pid, wstatus = os.waitpid(-1, os.WNOHANG)
@@ -170,13 +190,16 @@ class _Server:
                 return
             if pid == 0:
                 return
-            sock = self.workers.pop(pid, None)
-            if sock is not None:  # else: an orphan of a worker's tree, adopted and now reaped
-                try:
-                    sock.send(f"exit {os.waitstatus_to_exitcode(wstatus)}".encode())
-                except OSError:
-                    pass
-                sock.close()
+            self._reaped(pid, wstatus)
+
+    def _reaped(self, pid: int, wstatus: int) -> None:
+        sock = self.workers.pop(pid, None)
+        if sock is not None:  # else: an orphan of a worker's tree, adopted and now reaped
+            try:
+                sock.send(f"exit {os.waitstatus_to_exitcode(wstatus)}".encode())
+            except OSError:
+                pass
+            sock.close()
 
     def _kill_all(self) -> None:
         for pid in list(self.workers):
@@ -200,15 +223,15 @@ class _Server:
 
 
 def _answer_preload(learner: _preload_module.Preloader | None, fds: list[int]) -> None:
-    """The agent's request before a round: finish preloading what the workers reported, then
-    say what was preloaded and refused since the last request (on the descriptor it sent)."""
+    """The agent's request before a round: what was preloaded and refused since the last
+    request (on the descriptor it sent). What is still pending is not done now (the round
+    would wait for it; its workers import it themselves) but once the server is idle again."""
     reply = socket.socket(fileno=fds[0])
     for fd in fds[1:]:
         os.close(fd)
     report: dict[str, Any] = {"preloaded": [], "refused": {}, "seconds": 0.0, "tainted": None}
     if learner is not None:
         learner.drain()
-        learner.work()
         report = learner.report()
     try:
         reply.send(json.dumps(report).encode()[:_MAX_MSG])

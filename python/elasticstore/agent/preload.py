@@ -27,6 +27,7 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
 from typing import Any
@@ -40,6 +41,7 @@ MAX_PACKAGES = 50_000  # distinct module names a fork server takes from its work
 REPORT_PIPE_BYTES = 1 << 20  # the report pipe's buffer (Linux's F_SETPIPE_SZ)
 PROBE_TIMEOUT_S = 300.0  # a probe that imports for longer is killed and its package refused
 PR_SET_PDEATHSIG = 1
+POLL_S = 0.05  # how often a probe asks whether the fork server has other work
 
 
 def native_threads() -> int:
@@ -240,9 +242,11 @@ def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
             break
 
 
-def probe(names: list[tuple[str, str | None]], timeout: float = PROBE_TIMEOUT_S) -> list[Verdict]:
-    """Imports ``names`` in a forked child of this process; the verdicts up to and including
-    the first refusal (the rest must be probed again without it)."""
+def probe(names: list[tuple[str, str | None]], stop: Callable[[], bool],
+          timeout: float = PROBE_TIMEOUT_S) -> tuple[list[Verdict], bool]:
+    """Imports ``names`` in a forked child of this process: (the verdicts up to and including
+    the first refusal (the rest must be probed again without it), whether it ran to its end).
+    ``stop()``, asked every ``POLL_S``: True ends the probe at once (the fork server has work)."""
     import ctypes
 
     r, w = os.pipe()
@@ -256,28 +260,38 @@ def probe(names: list[tuple[str, str | None]], timeout: float = PROBE_TIMEOUT_S)
             os._exit(0)
     os.close(w)
     data = b""
+    ended = stopped = False
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
         sel.register(r, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(deadline - time.monotonic()):
+        while not ended and time.monotonic() < deadline:
+            if sel.select(min(POLL_S, max(0.0, deadline - time.monotonic()))):
                 chunk = os.read(r, 65536)
-                if not chunk:
-                    break
+                ended = not chunk
                 data += chunk
+            if not ended and stop():
+                stopped = True
+                break
     os.close(r)
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-    os.waitpid(pid, 0)
-    verdicts = [Verdict(v["name"], v["refused"], v["env_reads"])
-                for v in map(json.loads, data.decode().splitlines())]
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # the fork server's own reaping took it
+        pass
+    lines = data.decode().splitlines()
+    if stopped and lines and not data.endswith(b"\n"):
+        lines.pop()  # cut short mid-line
+    verdicts = [Verdict(v["name"], v["refused"], v["env_reads"]) for v in map(json.loads, lines)]
+    if stopped:
+        return verdicts, False
     if len(verdicts) < len(names) and (not verdicts or verdicts[-1].refused is None):
         name = names[len(verdicts)][0]
         verdicts.append(Verdict(name, f"its import did not end within {timeout:.0f}s or "
                                       "ended the process"))
-    return verdicts
+    return verdicts, True
 
 
 @dataclass
@@ -353,18 +367,24 @@ class Preloader:
         if name not in sys.modules:
             self.pending.append((name, origin if isinstance(origin, str) else None))
 
-    def work(self) -> None:
-        """Probes and imports every pending package (the fork server is idle, or a round is
-        about to start)."""
+    def work(self, stop: Callable[[], bool]) -> None:
+        """Probes and imports the pending packages while the fork server is idle; ``stop()``
+        True (the agent asks for a worker, or a worker exited) ends it before the next import
+        (what is left stays pending)."""
         start = time.monotonic()
         while self.pending and self.tainted is None:
             batch = [(n, o) for n, o in self.pending if n not in sys.modules]
             self.pending = []
             if not batch:
                 break
-            verdicts = probe(batch)
+            verdicts, complete = probe(batch, stop)
+            done = 0
             for v in verdicts:
                 why = v.refused
+                if why is None and stop():
+                    complete = False
+                    break
+                done += 1
                 if why is None:
                     why = checked_import(v.name, dict(batch).get(v.name))
                     if why is not None:
@@ -380,7 +400,9 @@ class Preloader:
                     self.refused[v.name] = self.new_refused[v.name] = why
                 if self.tainted is not None:
                     break
-            self.pending = batch[len(verdicts):] if self.tainted is None else []
+            self.pending = batch[done:] if self.tainted is None else []
+            if not complete:
+                break
         self.seconds += time.monotonic() - start
         if self.tainted is None and native_threads() > self.baseline:
             self.tainted = f"{native_threads()} threads, {self.baseline} when it started"
