@@ -38,6 +38,7 @@ class PreloadReport:
     seconds: float = 0.0
     tainted: str | None = None
     unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)
+    submodules: int = 0  # preloaded submodules of the packages in ``preloaded``
     # preloaded although its import looked up worker variables (unset in the fork server)
     env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
 
@@ -107,12 +108,12 @@ class ForkServer:
             mine.close()
         if not msg:
             return None
-        report = PreloadReport([str(n) for n in msg.get("preloaded", [])],
-                               {str(k): str(v) for k, v in msg.get("refused", {}).items()},
-                               float(msg.get("seconds", 0.0)), msg.get("tainted"),
-                               int(msg.get("unavailable", 0)),
-                               {str(k): [str(x) for x in v]
-                                for k, v in msg.get("env_reads", {}).items()})
+        report = PreloadReport(
+            preloaded=[str(n) for n in msg.get("preloaded", [])],
+            refused={str(k): str(v) for k, v in msg.get("refused", {}).items()},
+            seconds=float(msg.get("seconds", 0.0)), tainted=msg.get("tainted"),
+            unavailable=int(msg.get("unavailable", 0)), submodules=int(msg.get("submodules", 0)),
+            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()})
         self.refused.update(report.refused)
         return report
 
@@ -151,11 +152,11 @@ def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
     if not server.learn or not server.alive():
         return server
     report = server.preloads()
-    if report is None or not (report.preloaded or report.refused or report.tainted):
+    if report is None or not (report.preloaded or report.submodules or report.refused
+                              or report.tainted):
         return server
-    packages = [n for n in report.preloaded if "." not in n]
-    submodules = len(report.preloaded) - len(packages)
-    if report.preloaded:
+    packages, submodules = report.preloaded, report.submodules
+    if packages or submodules:
         more = f" and {submodules} submodule(s) of those" if submodules else ""
         skipped = (f"; {report.unavailable} submodule(s) skipped (ImportError: an optional "
                    "dependency is missing)") if report.unavailable else ""

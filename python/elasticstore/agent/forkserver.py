@@ -14,10 +14,8 @@ the agent dies, even by SIGKILL, it kills every worker's process group and its r
 and exits; it does the same when the agent closes the control socket. Other signals sent to the
 agent's process group (Ctrl-C, ``timeout``) are the agent's to act on: this process ignores them.
 
-Preloading what the workers imported (``preload.py``, unless the agent turns it off): each warm
-worker reports the third-party packages it imports; when idle, this process probes and imports
-them, so the next round's workers find them loaded; the agent asks before each round what was
-preloaded and refused.
+Unless the agent turns it off, warm workers report the third-party packages they import
+(``importreport.py``), which this process preloads when idle (``preload.py``).
 
 Protocol: see ``forkclient.py``.
 """
@@ -117,8 +115,9 @@ class _Server:
                     self._kill_all()
                     return None
                 request = json.loads(msg)
-                if request.get("op") == "preload":
-                    _answer_preload(learner, fds)
+                if request.get("op") == "preload":  # sent only to a learner
+                    for fd in fds if learner is None else learner.answer(fds):
+                        os.close(fd)
                     continue
                 job = self._fork(request, fds)
                 if job is not None:
@@ -222,24 +221,6 @@ class _Server:
         self._reap()
 
 
-def _answer_preload(learner: _preload_module.Preloader | None, fds: list[int]) -> None:
-    """The agent's request before a round: what was preloaded and refused since the last
-    request (on the descriptor it sent). What is still pending is not done now (the round
-    would wait for it; its workers import it themselves) but once the server is idle again."""
-    reply = socket.socket(fileno=fds[0])
-    for fd in fds[1:]:
-        os.close(fd)
-    report: dict[str, Any] = {"preloaded": [], "refused": {}, "seconds": 0.0, "tainted": None}
-    if learner is not None:
-        learner.drain()
-        report = learner.report()
-    try:
-        reply.send(json.dumps(report).encode()[:_MAX_MSG])
-    except OSError:
-        pass
-    reply.close()
-
-
 def _children() -> list[int]:
     pids: list[int] = []
     task_dir = f"/proc/{os.getpid()}/task"
@@ -291,7 +272,7 @@ def _run_warm(job: dict[str, Any]) -> None:
     sys.path[:] = _FRESH.fresh_path(job["path"], job["pythonpath"], first)
     os.environ["ELASTICSTORE_FORKED_AT"] = repr(job["forked_at"])
     if job.get("imports") is not None:  # tells the fork server what this worker imports
-        sys.meta_path.insert(0, _PRELOAD.ImportReporter(job["imports"]))
+        sys.meta_path.insert(0, _REPORT.ImportReporter(job["imports"]))
     main_module = types.ModuleType("__main__")  # as the interpreter creates it
     main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
     sys.modules["__main__"] = main_module  # the script's globals live until the process ends
@@ -368,10 +349,11 @@ def _sibling(stem: str) -> Any:
 
 _FRESH: Any = None  # freshstate.py
 _PRELOAD: Any = None  # preload.py, when the workers' imports are preloaded
+_REPORT: Any = None  # importreport.py, then
 
 
 def main() -> dict[str, Any] | None:
-    global _FRESH, _PRELOAD
+    global _FRESH, _PRELOAD, _REPORT
     _FRESH = _sibling("freshstate")
     mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
@@ -391,8 +373,9 @@ def main() -> dict[str, Any] | None:
         for name in PRELOAD:
             _import(name)
         if options.get("learn"):
-            _PRELOAD = _sibling("preload")
-            learner = _PRELOAD.Preloader(refused=dict(options.get("refused", {})))
+            _PRELOAD, _REPORT = _sibling("preload"), _sibling("importreport")
+            learner = _PRELOAD.Preloader(_REPORT.third_party_origin,
+                                         refused=dict(options.get("refused", {})))
     job = _Server(ctl, mode == "--preload", agent, learner).serve()
     if job is not None:
         job["forked_at"] = time.time()

@@ -1,10 +1,6 @@
-"""Preloading what the workers imported: a warm worker tells its fork server each third-party
-package it imports, and the fork server imports them for the next round's workers.
-
-Third-party: a top-level module or package that the worker found in a ``sys.path`` entry named
-``site-packages`` or ``dist-packages`` (what ``pip install`` writes); never the standard library
-(already loaded or cheap), the script, a module from the script's directory or from a project
-directory on ``PYTHONPATH``.
+"""Preloading what the workers imported: each warm worker tells its fork server the third-party
+packages it imports (``importreport.py``), and the fork server imports them for the next round's
+workers.
 
 The fork server must stay safe to fork: no thread may appear in it and CUDA must stay untouched.
 Each batch of reported packages is first imported in a throwaway child of the fork server (a
@@ -20,11 +16,11 @@ Standard library only: the fork server (run as a script) loads this file by its 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import selectors
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -32,12 +28,15 @@ from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
 from typing import Any
 
-__all__ = ["ImportReporter", "Preloader", "Verdict", "native_threads", "third_party_origin"]
+# importreport.third_party_origin: where a top-level module was found, if third-party
+Locate = Callable[[ModuleSpec, list[str]], "str | None"]
 
-SITE_DIR_NAMES = ("site-packages", "dist-packages")
+__all__ = ["Locate", "Preloader", "Verdict", "native_threads"]
+
 MAX_NAME = 200  # longer reported names are ignored (no module is named like that)
-MAX_REPORT = 4000  # bytes of one report line (under PIPE_BUF: written at once by any worker)
+MAX_REPORT = 4000  # bytes of one report line (importreport.MAX_REPORT)
 MAX_PACKAGES = 50_000  # distinct module names a fork server takes from its workers
+MAX_LISTED = 500  # names of each kind in one report to the agent (the rest are not named)
 REPORT_PIPE_BYTES = 1 << 20  # the report pipe's buffer (Linux's F_SETPIPE_SZ)
 PROBE_TIMEOUT_S = 300.0  # a probe that imports for longer is killed and its package refused
 PR_SET_PDEATHSIG = 1
@@ -72,87 +71,6 @@ def _cuda_state() -> tuple[bool, bool]:
     except OSError:
         driver = False
     return initialised, driver
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-@functools.lru_cache(maxsize=8)
-def _real_entries(path: tuple[str, ...], cwd: str) -> list[str]:
-    """``path`` resolved (relative entries against ``cwd``): once per path, not per import."""
-    return [os.path.realpath(os.path.join(cwd, p)) for p in path]
-
-
-def third_party_origin(spec: ModuleSpec, path: list[str]) -> str | None:
-    """Where a top-level module was found, when that is a site directory of ``path`` (else
-    None): the longest ``path`` entry holding its file (or its package directories) must be named
-    site-packages or dist-packages."""
-    found: list[str | None] = list(spec.submodule_search_locations or []) or [spec.origin]
-    locations = [loc for loc in found if isinstance(loc, str) and os.path.isabs(loc)]
-    if not locations or len(locations) < len(found):
-        return None  # built-in, frozen, or a finder of its own
-    entries = _real_entries(tuple(p for p in path if isinstance(p, str)), os.getcwd())
-    for loc in locations:
-        real = os.path.realpath(loc)
-        holders = [e for e in entries if _within(real, e)]
-        if not holders or os.path.basename(max(holders, key=len)) not in SITE_DIR_NAMES:
-            return None
-    return os.path.realpath(locations[0])
-
-
-def _identity(fd: int) -> tuple[int, int] | None:
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-class ImportReporter:
-    """First on a warm worker's ``sys.meta_path``: for each module the worker imports, finds its
-    spec through the finders after it (as the import system would, and returns that spec); a
-    third-party top-level module is reported with its origin (``{"name", "origin"}``), and so is
-    each submodule of one (``{"name"}``: packages that import their submodules lazily, as
-    transformers does, are mostly submodules). One line per module on a pipe to the fork server,
-    written at once (a SIGKILLed worker has reported what it imported) and never blocking: a
-    full or closed pipe drops it."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._pipe = _identity(fd)
-        self._third_party: set[str] = set()
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
-        top = name.partition(".")[0]
-        if top != name and top not in self._third_party:
-            return None
-        finders = sys.meta_path
-        spec = None
-        for finder in finders[finders.index(self) + 1:] if self in finders else []:
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                return None  # a finder of the old kind: the import system's own way
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        if spec is None:
-            return None
-        report: dict[str, str] = {"name": name}
-        if top == name:
-            origin = third_party_origin(spec, sys.path)
-            if origin is None:
-                return spec
-            self._third_party.add(name)
-            report["origin"] = origin
-        line = json.dumps(report).encode() + b"\n"
-        # The script may have closed the descriptor and opened a file of its own under it.
-        if len(line) <= MAX_REPORT and _identity(self._fd) == self._pipe:
-            try:
-                os.write(self._fd, line)
-            except OSError:
-                pass
-        return spec
 
 
 @dataclass
@@ -193,7 +111,7 @@ _IMPORT_FAILED = "its import failed: "
 _IMPORT_ERRORS = (f"{_IMPORT_FAILED}ImportError:", f"{_IMPORT_FAILED}ModuleNotFoundError:")
 
 
-def checked_import(name: str, origin: str | None) -> str | None:
+def checked_import(name: str, origin: str | None, locate: Locate) -> str | None:
     """Imports ``name``; returns why it must not stay in a fork server (None: fine)."""
     import importlib
 
@@ -217,13 +135,13 @@ def checked_import(name: str, origin: str | None) -> str | None:
     if cuda[1] and not cuda_before[1]:
         return "its import loaded the CUDA driver"
     spec = getattr(module, "__spec__", None)
-    found = third_party_origin(spec, sys.path) if spec is not None else None
+    found = locate(spec, sys.path) if spec is not None else None
     if origin is not None and found != origin:
         return f"the fork server finds it at {found}, the worker at {origin}"
     return None
 
 
-def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
+def _probe_child(names: list[tuple[str, str | None]], out: int, locate: Locate) -> None:
     """In the probe: import in order, one verdict line each, stop at the first refusal."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
@@ -234,7 +152,7 @@ def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
     reads: list[str] = []
     _record_env_reads(reads)
     for name, origin in names:
-        why = checked_import(name, origin)
+        why = checked_import(name, origin, locate)
         verdict = {"name": name, "refused": why, "env_reads": sorted(set(reads))}
         os.write(out, (json.dumps(verdict) + "\n").encode())
         reads.clear()
@@ -242,7 +160,7 @@ def _probe_child(names: list[tuple[str, str | None]], out: int) -> None:
             break
 
 
-def probe(names: list[tuple[str, str | None]], stop: Callable[[], bool],
+def probe(names: list[tuple[str, str | None]], stop: Callable[[], bool], locate: Locate,
           timeout: float = PROBE_TIMEOUT_S) -> tuple[list[Verdict], bool]:
     """Imports ``names`` in a forked child of this process: (the verdicts up to and including
     the first refusal (the rest must be probed again without it), whether it ran to its end).
@@ -255,7 +173,7 @@ def probe(names: list[tuple[str, str | None]], stop: Callable[[], bool],
         try:
             os.close(r)
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            _probe_child(names, w)
+            _probe_child(names, w, locate)
         finally:
             os._exit(0)
     os.close(w)
@@ -296,7 +214,10 @@ def probe(names: list[tuple[str, str | None]], stop: Callable[[], bool],
 
 @dataclass
 class Preloader:
-    """The fork server's side: what its workers reported, what it preloaded and refused."""
+    """The fork server's side: what its workers reported, what it preloaded and refused.
+    ``locate``: ``importreport.third_party_origin`` (checks a package is the worker's)."""
+
+    locate: Locate
 
     refused: dict[str, str] = field(default_factory=dict)  # every refusal (given at start too)
     pending: list[tuple[str, str | None]] = field(default_factory=list)
@@ -377,7 +298,7 @@ class Preloader:
             self.pending = []
             if not batch:
                 break
-            verdicts, complete = probe(batch, stop)
+            verdicts, complete = probe(batch, stop, self.locate)
             done = 0
             for v in verdicts:
                 why = v.refused
@@ -386,7 +307,7 @@ class Preloader:
                     break
                 done += 1
                 if why is None:
-                    why = checked_import(v.name, dict(batch).get(v.name))
+                    why = checked_import(v.name, dict(batch).get(v.name), self.locate)
                     if why is not None:
                         self.tainted = f"{v.name}: {why}"
                 if why is None:
@@ -407,10 +328,28 @@ class Preloader:
         if self.tainted is None and native_threads() > self.baseline:
             self.tainted = f"{native_threads()} threads, {self.baseline} when it started"
 
+    def answer(self, fds: list[int]) -> list[int]:
+        """The agent's request before a round: what was preloaded and refused since the last
+        one, sent on ``fds[0]``; returns the other descriptors (to close). What is still
+        pending is not done now (the round would wait for it, where its workers import it
+        themselves) but once the server is idle again."""
+        self.drain()
+        with socket.socket(fileno=fds[0]) as reply:
+            try:
+                reply.send(json.dumps(self.report()).encode())
+            except OSError:
+                pass
+        return fds[1:]
+
     def report(self) -> dict[str, Any]:
-        """What changed since the last report (then forgotten, except the refusals)."""
-        out = {"preloaded": self.preloaded, "refused": self.new_refused,
-               "unavailable": self.unavailable, "env_reads": self.env_reads,
+        """What changed since the last report (then forgotten, except the refusals): the
+        top-level packages preloaded and how many submodules (one message: bounded)."""
+        packages = [n for n in self.preloaded if "." not in n]
+        refused = dict(list(self.new_refused.items())[:MAX_LISTED])
+        out = {"preloaded": packages[:MAX_LISTED], "refused": refused,
+               "submodules": len(self.preloaded) - len(packages),
+               "unavailable": self.unavailable,
+               "env_reads": dict(list(self.env_reads.items())[:MAX_LISTED]),
                "seconds": round(self.seconds, 3), "tainted": self.tainted}
         self.preloaded, self.new_refused, self.seconds, self.unavailable = [], {}, 0.0, 0
         self.env_reads = {}
