@@ -8,8 +8,8 @@ group from then on), and the server writes ``exit CODE`` (negative: killed by si
 it reaped it.
 
 Before a round the agent may instead send ``{"op": "preload"}`` with one descriptor: the server
-finishes preloading what the last workers imported and replies on it with ``{"preloaded",
-"refused", "seconds", "tainted"}`` (``preload.py``).
+replies on it with what it preloaded and refused since the last such request (``PreloadReport``'s
+fields as JSON, ``preload.Preloader.report``); what it has not done yet it does when idle again.
 """
 
 from __future__ import annotations
