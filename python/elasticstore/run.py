@@ -7,8 +7,9 @@ the store at ``--master-addr:--master-port``) for a fixed ``--nnodes``, standalo
 without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a range of nodes
 (``etcd`` is ours on etcd v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
 ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
-process with torch imported; ``spawn`` starts plain processes). Flags not supported yet are
-refused by name. A bad value exits with code 2 and one line naming the flag and the reason;
+process with torch imported, and with the third-party packages the previous round's workers
+imported unless ``--no-preload-imports``; ``spawn`` starts plain processes). Flags not supported
+yet are refused by name. A bad value exits with code 2 and one line naming the flag and the reason;
 ``--rdzv-conf`` is parsed into the rendezvous settings here too (a bad key or value names the
 key), before the banner and before anything starts. Backend names: ``rendezvous/registry.py``.
 """
@@ -16,6 +17,7 @@ key), before the banner and before anything starts. Backend names: ``rendezvous/
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import socket
@@ -118,6 +120,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument("-m", "--module", action=_CheckEnv)
     p.add_argument(*_names("--no-python"), action=_CheckEnv)
     p.add_argument(*_names("--run-path"), action=_CheckEnv)
+    p.add_argument(*_names("--no-preload-imports"), action=_CheckEnv)
     for flag in UNSUPPORTED:
         p.add_argument(*_names(flag), action=_Refused)
     p.add_argument("training_script")
@@ -310,7 +313,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     agent = AgentSettings(
         entrypoint=args.training_script, args=tuple(args.training_script_args), nproc=nproc,
         run_id=run_id, host=local_addr or socket.gethostname(), kind=kind,
-        warm=args.start_method != "spawn" and kind != "exec", role=str(args.role),
+        warm=args.start_method != "spawn" and kind != "exec",
+        preload_imports=not args.no_preload_imports, role=str(args.role),
         max_restarts=_int("--max-restarts", args.max_restarts), monitor_interval=monitor,
         shutdown_timeout=float(_int("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
@@ -335,7 +339,7 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
     print(f"[{prog}] job {a.run_id}: {rs.min_nodes}:{rs.max_nodes} node(s) x {a.nproc} worker(s), "
           f"rendezvous {rs.backend} at {rs.endpoint}, {'warm start' if a.warm else 'plain processes'}, "
           f"max restarts {a.max_restarts}; this node {a.host}", file=sys.stderr, flush=True)
-    from .agent import Agent
+    from .agent import Agent, ForkServer
 
     try:
         handler = make_handler(rs)
@@ -353,7 +357,8 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
             handler.shutdown()
             return 1
     try:
-        agent = Agent(a, handler, metrics=metrics)
+        agent = Agent(a, handler, metrics=metrics,
+                      server_factory=functools.partial(ForkServer, learn=a.preload_imports))
     except OSError as exc:  # the log directory (events.jsonl) refused or unwritable
         print(f"[{prog}] {exc}", file=sys.stderr, flush=True)
         handler.shutdown()

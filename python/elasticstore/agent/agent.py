@@ -42,7 +42,7 @@ from .config import AgentSettings
 from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
-from .forkclient import ForkServer
+from .forkclient import ForkServer, settle_preloads
 from .logs import LogRelay, Std, console_for, open_log, say
 from .rounds import RendezvousCall, assign
 from .roundwatch import RoundWatcher
@@ -207,6 +207,7 @@ class Agent:
             say("[elasticstore-run] the fork server died: starting a new one")
             self._server.close()
             self._server = self._server_factory(self.s.warm)
+        self._server = settle_preloads(self._server, self.events)
         root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
         specs = []
         for local in range(self.s.nproc):

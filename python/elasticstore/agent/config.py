@@ -19,6 +19,8 @@ class AgentSettings:
     host: str  # this node's address: the console prefix and the failure summary
     kind: str = "script"  # "script", "module" or "exec" (--no-python)
     warm: bool = True  # fork workers from a fork server with torch imported
+    # warm: the fork server also imports the third-party packages the last round's workers imported
+    preload_imports: bool = True
     role: str = "default"
     max_restarts: int = 0
     monitor_interval: float = 0.1  # only for rendezvous handlers without a watch

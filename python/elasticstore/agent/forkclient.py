@@ -6,6 +6,10 @@ four descriptors (the worker's status socket, stdin, stdout, stderr); the worker
 ``pid N`` on the status socket once it leads its own process group (so the agent can signal the
 group from then on), and the server writes ``exit CODE`` (negative: killed by signal -CODE) when
 it reaped it.
+
+Before a round the agent may instead send ``{"op": "preload"}`` with one descriptor: the server
+replies on it with what it preloaded and refused since the last such request (``PreloadReport``'s
+fields as JSON, ``preload.Preloader.report``); what it has not done yet it does when idle again.
 """
 
 from __future__ import annotations
@@ -15,23 +19,47 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["ForkServer", "read_status"]
+from .logs import say
+
+__all__ = ["ForkServer", "PreloadReport", "read_status", "settle_preloads"]
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 
 
+@dataclass(frozen=True)
+class PreloadReport:
+    """What the fork server preloaded since the last report and what it refused (and why)."""
+
+    preloaded: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    tainted: str | None = None
+    unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)
+    submodules: int = 0  # preloaded submodules of the packages in ``preloaded``
+    # preloaded although its import looked up worker variables (unset in the fork server)
+    env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
+
+
 class ForkServer:
     """The agent's handle on the server process. ``preload``: warm start (fork server with torch
-    imported); otherwise every worker is a fresh ``exec``."""
+    imported); otherwise every worker is a fresh ``exec``. ``learn`` (warm start only): the
+    server also preloads the third-party packages its workers imported; ``refused``: packages it
+    must never preload (name -> why)."""
 
-    def __init__(self, preload: bool) -> None:
+    def __init__(self, preload: bool, learn: bool = True,
+                 refused: dict[str, str] | None = None) -> None:
         self.preload = preload
         self._forked = False  # whether a worker was ever asked for
+        self.learn = learn and preload
+        self.refused = dict(refused or {})
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
+        options = json.dumps({"learn": self.learn, "refused": self.refused})
         self.proc = subprocess.Popen(
-            [sys.executable, SERVER_SCRIPT, mode, str(theirs.fileno()), str(os.getpid())],
+            [sys.executable, SERVER_SCRIPT, mode, str(theirs.fileno()), str(os.getpid()), options],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
         )
@@ -66,6 +94,35 @@ class ForkServer:
             raise RuntimeError(f"fork server: could not start {argv[:2]}: {reply or 'it died'}")
         return int(reply[4:]), mine
 
+    def preloads(self, timeout: float = 600.0) -> PreloadReport | None:
+        """Has the server finish preloading what the workers reported; what it preloaded and
+        refused since the last call (None: it did not answer)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            socket.send_fds(self._ctl, [json.dumps({"op": "preload"}).encode()], [theirs.fileno()])
+            theirs.close()
+            mine.settimeout(timeout)
+            msg: dict[str, Any] = json.loads(mine.recv(1 << 20) or b"null") or {}
+        except (OSError, ValueError):
+            return None
+        finally:
+            theirs.close()
+            mine.close()
+        if not msg:
+            return None
+        report = PreloadReport(
+            preloaded=[str(n) for n in msg.get("preloaded", [])],
+            refused={str(k): str(v) for k, v in msg.get("refused", {}).items()},
+            seconds=float(msg.get("seconds", 0.0)), tainted=msg.get("tainted"),
+            unavailable=int(msg.get("unavailable", 0)), submodules=int(msg.get("submodules", 0)),
+            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()})
+        self.refused.update(report.refused)
+        return report
+
+    def replacement(self) -> ForkServer:
+        """A fresh server with the same settings, refusing what this one refused."""
+        return ForkServer(self.preload, self.learn, self.refused)
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -92,3 +149,39 @@ def read_status(sock: socket.socket) -> int | None:
     except OSError:
         return None
     return int(data[5:]) if data.startswith("exit ") else None
+
+
+def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
+    """Before a round's workers are forked: the server finishes preloading what the last
+    round's workers imported; says what was preloaded and refused (a console line and a
+    ``preload`` event). A server that is no longer safe to fork is replaced by a fresh one (its
+    refusals carried over): the fresh one pays ``import torch`` once more before this round, and
+    learns the packages again from this round's workers."""
+    if not server.learn or not server.alive():
+        return server
+    report = server.preloads()
+    if report is None or not (report.preloaded or report.submodules or report.refused
+                              or report.tainted):
+        return server
+    packages, submodules = report.preloaded, report.submodules
+    if packages or submodules:
+        more = f" and {submodules} submodule(s) of those" if submodules else ""
+        skipped = (f"; {report.unavailable} submodule(s) skipped (ImportError: an optional "
+                   "dependency is missing)") if report.unavailable else ""
+        say(f"[elasticstore-run] preloaded for this round: {', '.join(packages) or '-'}{more} "
+            f"({report.seconds:.1f}s){skipped}")
+    for name, variables in report.env_reads.items():
+        say(f"[elasticstore-run] preloaded {name}, whose import looks up {', '.join(variables)}: "
+            "it saw the fork server's environment, where they are unset (--no-preload-imports "
+            "if it matters)")
+    for name, why in report.refused.items():
+        say(f"[elasticstore-run] not preloaded: {name}: {why}")
+    events.emit("preload", preloaded=packages, submodules=submodules, refused=report.refused,
+                unavailable=report.unavailable, env_reads=report.env_reads,
+                seconds=report.seconds, tainted=report.tainted)
+    if report.tainted is None:
+        return server
+    say(f"[elasticstore-run] the fork server is not safe to fork any more ({report.tainted}): "
+        "starting a fresh one")
+    server.close()
+    return server.replacement()

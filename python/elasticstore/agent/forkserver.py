@@ -14,6 +14,9 @@ the agent dies, even by SIGKILL, it kills every worker's process group and its r
 and exits; it does the same when the agent closes the control socket. Other signals sent to the
 agent's process group (Ctrl-C, ``timeout``) are the agent's to act on: this process ignores them.
 
+Unless the agent turns it off, warm workers report the third-party packages they import
+(``importreport.py``), which this process preloads when idle (``preload.py``).
+
 Protocol: see ``forkclient.py``.
 """
 
@@ -25,13 +28,17 @@ import gc
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
 import sys
 import time
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import preload as _preload_module
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,7 +62,8 @@ def prctl(option: int, value: int) -> None:
 
 
 class _Server:
-    def __init__(self, ctl: socket.socket, preload: bool, agent: int) -> None:
+    def __init__(self, ctl: socket.socket, preload: bool, agent: int,
+                 learner: _preload_module.Preloader | None = None) -> None:
         self.ctl, self.preload, self.agent = ctl, preload, agent
         self.deferred = list(DEFERRED_PRELOAD) if preload else []
         self.workers: dict[int, socket.socket] = {}
@@ -63,6 +71,8 @@ class _Server:
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
+        self.learner = learner  # workers report their imports to it (preload.py)
+        self.forked = False
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
@@ -70,11 +80,23 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(self.ctl, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
+        learner = self.learner
+        if learner is not None:
+            self.sel.register(learner.pipe_r, selectors.EVENT_READ)
         while True:
-            ready = self.sel.select(IDLE_PRELOAD_S if self.deferred and self.workers else None)
+            idle_work = self.deferred or (learner is not None and learner.pending)
+            # Idle work waits for the first fork: the first round never waits for it.
+            ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.forked else None)
             if not ready and self.deferred:
                 _import(self.deferred.pop(0))
+                if learner is not None:  # what the fork server itself imports is trusted
+                    learner.rebase()
+            elif not ready and learner is not None:
+                learner.work(self._busy)
             for key, _ in ready:
+                if learner is not None and key.fileobj == learner.pipe_r:
+                    learner.drain()
+                    continue
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
                     self._reap()
@@ -92,21 +114,49 @@ class _Server:
                 if not msg:  # the agent closed the socket or died
                     self._kill_all()
                     return None
-                job = self._fork(json.loads(msg), fds)
+                request = json.loads(msg)
+                if request.get("op") == "preload":  # sent only to a learner
+                    for fd in fds if learner is None else learner.answer(fds):
+                        os.close(fd)
+                    continue
+                job = self._fork(request, fds)
                 if job is not None:
                     return job
 
+    def _busy(self) -> bool:
+        """Asked during idle work: reports workers' exits at once (the agent reacts to a
+        failure without waiting for a preload); True: the agent wants something."""
+        try:
+            if self.wake_r.recv(512):
+                self._reap(workers_only=True)  # not a probe: it waits for its own child
+        except BlockingIOError:
+            pass
+        return bool(select.select([self.ctl], [], [], 0)[0])
+
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         status = socket.socket(fileno=fds[0])
+        unsafe = self.learner.unsafe() if self.learner is not None else None
+        if unsafe is not None:
+            # Forking a process with threads is unsafe: the agent starts a fresh fork server.
+            try:
+                status.send(f"refused: not safe to fork ({unsafe})".encode())
+            except OSError:
+                pass
+            status.close()
+            for fd in fds[1:]:
+                os.close(fd)
+            return None
         # Everything imported so far moves to the collector's permanent generation: a worker's
         # collections (and its exit) never traverse torch's objects, and never write to their
         # pages, which then stay shared with this process (Python's advice for fork without exec).
         gc.freeze()
+        self.forked = True
         pid = os.fork()
         if pid == 0:
             job["fds"] = fds[1:]
             job["parent"] = os.getppid()
             job["status"] = os.dup(status.fileno())  # the child says "pid" once it leads its group
+            job["imports"] = self.learner.pipe_w if self.learner is not None else None
             self._close_in_child(status)
             return job
         for fd in fds[1:]:
@@ -119,8 +169,19 @@ class _Server:
         self.sel.close()
         for sock in (self.ctl, self.wake_r, self.wake_w, status, *self.workers.values()):
             sock.close()
+        if self.learner is not None:
+            os.close(self.learner.pipe_r)
 
-    def _reap(self) -> None:
+    def _reap(self, workers_only: bool = False) -> None:
+        if workers_only:
+            for pid in list(self.workers):
+                try:
+                    found, wstatus = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    continue
+                if found == pid:
+                    self._reaped(pid, wstatus)
+            return
         for _ in range(100_000):
             try:
                 pid, wstatus = os.waitpid(-1, os.WNOHANG)
@@ -128,13 +189,16 @@ class _Server:
                 return
             if pid == 0:
                 return
-            sock = self.workers.pop(pid, None)
-            if sock is not None:  # else: an orphan of a worker's tree, adopted and now reaped
-                try:
-                    sock.send(f"exit {os.waitstatus_to_exitcode(wstatus)}".encode())
-                except OSError:
-                    pass
-                sock.close()
+            self._reaped(pid, wstatus)
+
+    def _reaped(self, pid: int, wstatus: int) -> None:
+        sock = self.workers.pop(pid, None)
+        if sock is not None:  # else: an orphan of a worker's tree, adopted and now reaped
+            try:
+                sock.send(f"exit {os.waitstatus_to_exitcode(wstatus)}".encode())
+            except OSError:
+                pass
+            sock.close()
 
     def _kill_all(self) -> None:
         for pid in list(self.workers):
@@ -198,15 +262,17 @@ def _run_warm(job: dict[str, Any]) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # OpenMP read the variable when torch was loaded
-    _reseed(torch)
+    _FRESH.reseed(torch)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     argv = list(job["argv"])
     module = job["kind"] == "module"
-    _set_title([sys.executable, "-u", *(["-m"] if module else []), *argv])
+    _FRESH.set_title([sys.executable, "-u", *(["-m"] if module else []), *argv])
     sys.argv = argv
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
-    sys.path[:] = _fresh_path(job["path"], job["pythonpath"], first)
+    sys.path[:] = _FRESH.fresh_path(job["path"], job["pythonpath"], first)
     os.environ["ELASTICSTORE_FORKED_AT"] = repr(job["forked_at"])
+    if job.get("imports") is not None:  # tells the fork server what this worker imports
+        sys.meta_path.insert(0, _REPORT.ImportReporter(job["imports"]))
     main_module = types.ModuleType("__main__")  # as the interpreter creates it
     main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
     sys.modules["__main__"] = main_module  # the script's globals live until the process ends
@@ -219,7 +285,7 @@ def _run_warm(job: dict[str, Any]) -> None:
         else:
             _run_script(main_module, os.path.abspath(argv[0]))
     except SystemExit as exc:
-        code = _exit_code(exc)
+        code = _FRESH.exit_code(exc)
     except BaseException as exc:  # reported as the interpreter reports it
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == _run_warm.__code__.co_filename:
@@ -228,7 +294,7 @@ def _run_warm(job: dict[str, Any]) -> None:
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
         sys.excepthook(type(exc), exc, tb)
         code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-    _finalize(code)
+    _FRESH.finalize(code)
 
 
 def _run_script(main_module: types.ModuleType, path: str) -> None:
@@ -249,82 +315,6 @@ def _run_script(main_module: types.ModuleType, path: str) -> None:
     exec(code, main_module.__dict__)
 
 
-def _exit_code(exc: SystemExit) -> int:
-    """The exit status the interpreter gives an uncaught ``SystemExit``."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    try:
-        print(exc.code, file=sys.stderr)
-    except Exception:
-        pass
-    return 1
-
-
-def _finalize(code: int) -> None:
-    """The interpreter's shutdown up to freeing objects: join non-daemon threads, run the atexit
-    handlers, flush stdio; then exit without freeing ``__main__``'s objects (a fresh process
-    frees them at interpreter teardown, where their destructors cannot block on other threads)."""
-    import atexit
-    import threading
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:
-        pass
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            if code == 0:
-                code = 120  # as the interpreter does when flushing stdout fails
-    if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt: die of SIGINT
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        code = 130
-    os._exit(code & 0xFF)
-
-
-def _reseed(torch: Any) -> None:
-    """Fresh entropy for the generators a fresh interpreter seeds at import (``random`` reseeds
-    itself after fork): every worker and every round draws different numbers."""
-    if torch is not None:
-        torch.default_generator.seed()
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None:
-        np_random.seed()
-    rnd = sys.modules.get("random")
-    if rnd is not None:
-        rnd.seed()
-
-
-def _pythonpath(value: str | None) -> list[str]:
-    """The entries a fresh interpreter puts on ``sys.path`` for ``PYTHONPATH`` (made absolute)."""
-    if not value:
-        return []
-    return [os.path.abspath(p) for p in value.split(os.pathsep)]
-
-
-def _fresh_path(startup: list[str], server_pythonpath: str | None, first: str) -> list[str]:
-    """``sys.path`` of a fresh interpreter: ``first`` (unless PYTHONSAFEPATH), the worker's
-    PYTHONPATH, then the rest of this process's startup path, without duplicates."""
-    mine = list(dict.fromkeys(_pythonpath(server_pythonpath)))
-    rest = startup[len(mine):] if startup[: len(mine)] == mine else startup
-    entries = list(dict.fromkeys([*_pythonpath(os.environ.get("PYTHONPATH")), *rest]))
-    return entries if os.environ.get("PYTHONSAFEPATH") else [first, *entries]
-
-
-def _set_title(argv: list[str]) -> None:
-    """What ``ps`` and /proc/PID/cmdline show for this process."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.setproctitle(" ".join(argv))
-
-
 def _exec(job: dict[str, Any]) -> None:
     argv = job["argv"]
     try:
@@ -343,23 +333,50 @@ def _import(name: str) -> None:
         print(f"elasticstore fork server: preloading {name} failed: {exc}", file=sys.stderr)
 
 
+def _sibling(stem: str) -> Any:
+    """``<stem>.py`` beside this file (this process runs as a script, outside the package)."""
+    import importlib.util
+
+    name = f"_elasticstore_forkserver_{stem}"
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{stem}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_FRESH: Any = None  # freshstate.py
+_PRELOAD: Any = None  # preload.py, when the workers' imports are preloaded
+_REPORT: Any = None  # importreport.py, then
+
+
 def main() -> dict[str, Any] | None:
+    global _FRESH, _PRELOAD, _REPORT
+    _FRESH = _sibling("freshstate")
     mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     del sys.path[0]  # this file's directory: never on a worker's path
     startup_path = list(sys.path)
     # Signals to the agent's process group are the agent's to act on (serve() ignores them too).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, lambda *_: None)
-    _set_title([f"elasticstore-forkserver (agent {agent})"])
+    _FRESH.set_title([f"elasticstore-forkserver (agent {agent})"])
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != agent:
         return None
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctl = socket.socket(fileno=ctl_fd)
+    learner = None
     if mode == "--preload":
         for name in PRELOAD:
             _import(name)
-    job = _Server(ctl, mode == "--preload", agent).serve()
+        if options.get("learn"):
+            _PRELOAD, _REPORT = _sibling("preload"), _sibling("importreport")
+            learner = _PRELOAD.Preloader(_REPORT.third_party_origin,
+                                         refused=dict(options.get("refused", {})))
+    job = _Server(ctl, mode == "--preload", agent, learner).serve()
     if job is not None:
         job["forked_at"] = time.time()
         job["path"], job["pythonpath"] = startup_path, os.environ.get("PYTHONPATH")

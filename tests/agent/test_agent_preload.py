@@ -1,0 +1,229 @@
+"""Warm restarts preload what the previous round's workers imported: third-party packages only
+(found in a directory named site-packages on the workers' path: here a PYTHONPATH entry laid out
+as ``pip install --target`` writes one), never the script's own modules or project code; a
+package whose import starts a thread is refused and named; ``--no-preload-imports`` turns it off.
+"""
+
+from __future__ import annotations
+
+import _bisect
+import glob
+import json
+import os
+import shutil
+from importlib.machinery import PathFinder
+from typing import Any
+
+import pytest
+from agent_nodes import agents
+from paths import ROOT, program
+
+from elasticstore.agent.importreport import third_party_origin
+from elasticstore.run import parse
+
+JOB = program("preload_job.py")
+SLOW_IMPORT_S = 1.0
+# slowpkg.lazy: a submodule imported on use (as transformers imports its own); slowpkg.optional:
+# one whose import fails (an optional dependency that is not installed).
+MODULES = "threadpkg,cudapkg,slowpkg,?slowpkg.optional,slowpkg.lazy,projmod,preload_localmod"
+
+
+def _layout(workdir: str, extra: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """A site directory with third-party packages, a project directory and the script with a
+    module beside it; returns the script's path and the agent's environment."""
+    site = os.path.join(workdir, "env", "lib", "site-packages")
+    proj = os.path.join(workdir, "proj")
+    app = os.path.join(workdir, "app")
+    for d in (os.path.join(site, "slowpkg"), proj, app):
+        os.makedirs(d)
+    driver = os.path.join(workdir, "driver", "libcuda.so.1")
+    os.makedirs(os.path.dirname(driver))
+    shutil.copy(_bisect.__file__, driver)
+    # Each package says who imported it: the worker, the fork server's probe or the fork server.
+    said = (f"import os\nwith open({os.path.join(workdir, 'imports.log')!r}, 'a') as f:\n"
+            "    f.write(f'{__name__} {os.getpid()} {os.getppid()}\\n')\n")
+    files = {
+        os.path.join(site, "slowpkg", "__init__.py"):
+            f"import os, time\nRANK = os.environ.get('LOCAL_RANK')\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "lazy.py"): f"{said}import time\ntime.sleep({SLOW_IMPORT_S})\n",
+        os.path.join(site, "slowpkg", "optional.py"): "import not_installed_anywhere\n",
+        os.path.join(site, "threadpkg.py"):
+            "import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(3600,), daemon=True, name='poller').start()\n",
+        # Loads a library named as the CUDA driver is (any shared library will do on a CPU host).
+        os.path.join(site, "cudapkg.py"): f"import ctypes\nctypes.CDLL({driver!r})\n",
+        os.path.join(proj, "projmod.py"): "VALUE = 1\n",
+        os.path.join(app, "preload_localmod.py"): "VALUE = 2\n",
+    }
+    for name, text in (extra or {}).items():
+        files[os.path.join(site, name)] = said + text
+    for path, text in files.items():
+        with open(path, "w") as f:
+            f.write(text)
+    script = os.path.join(app, "preload_job.py")
+    shutil.copy(JOB, script)
+    pythonpath = os.pathsep.join([site, proj, os.environ.get("PYTHONPATH", "")])
+    return script, {"PYTHONPATH": pythonpath}
+
+
+def _records(workdir: str) -> dict[int, dict[str, Any]]:
+    """attempt -> what rank 0 recorded."""
+    found = {}
+    for path in glob.glob(os.path.join(workdir, "preload-*-0.json")):
+        with open(path) as f:
+            found[int(os.path.basename(path).split("-")[1])] = json.load(f)
+    return found
+
+
+def _events(workdir: str, name: str) -> list[dict[str, Any]]:
+    [path] = glob.glob(os.path.join(workdir, "logs", "*", "events.jsonl"))  # <run id>/
+    with open(path) as f:
+        return [e for e in map(json.loads, f) if e["event"] == name]
+
+
+def _run(workdir: str, flags: list[str], modules: str = MODULES,
+         extra: dict[str, str] | None = None, await_import: str | None = None) -> str:
+    """Two rounds: rank 0 fails after its imports (once ``await_import`` was preloaded)."""
+    script, env = _layout(workdir, extra)
+    wait = ["--await-server-import", await_import] if await_import else []
+    with agents(workdir) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+                         "--log-dir", os.path.join(workdir, "logs"),
+                         *flags], ["--dir", workdir, "--modules", modules, *wait],
+                        name="n1", script=script, env=env)
+        code = a.wait(agent, 300)
+        out = a.output(agent)
+    assert code == 0, out
+    return out
+
+
+@pytest.mark.slow
+def test_next_round_finds_the_packages_the_workers_imported(tmp_path: object) -> None:
+    workdir = str(tmp_path)
+    # The fork server decides in the order the worker imported (MODULES): once it imported
+    # slowpkg.lazy, the last one, everything was decided.
+    out = _run(workdir, [], await_import="slowpkg.lazy")
+    rec = _records(workdir)
+    assert rec[0]["loaded_at_start"] == [], out
+    assert rec[0]["import_seconds"]["slowpkg"] >= SLOW_IMPORT_S * 0.9
+    # The restarted worker starts with the slow package imported: it does not pay its import.
+    assert rec[1]["loaded_at_start"] == ["slowpkg", "slowpkg.lazy"], out
+    assert rec[1]["import_seconds"]["slowpkg"] < 0.1
+    assert rec[1]["import_seconds"]["slowpkg.lazy"] < 0.1
+    assert "preloaded for this round: slowpkg and 1 submodule(s) of those" in out
+    assert "1 submodule(s) skipped (ImportError" in out
+    assert "slowpkg.optional" not in out
+    # Preloaded, but named: what its import read from the environment is the fork server's.
+    assert "preloaded slowpkg, whose import looks up LOCAL_RANK: it saw the fork server's" in out
+    # A package whose import starts a thread is refused (the fork server must stay fork-safe).
+    assert "not preloaded: threadpkg: its import started a thread" in out, out
+    # One whose import loads the CUDA driver too (a fork of it could not use CUDA).
+    assert "not preloaded: cudapkg: its import loaded the CUDA driver" in out, out
+    assert "cudapkg" not in rec[1]["loaded_at_start"]
+    [event] = _events(workdir, "preload")
+    assert event["preloaded"] == ["slowpkg"]
+    assert event["submodules"] == 1 and event["unavailable"] == 1
+    assert event["env_reads"] == {"slowpkg": ["LOCAL_RANK"]}
+    assert list(event["refused"]) == ["threadpkg", "cudapkg"]
+    assert "started a thread" in event["refused"]["threadpkg"]
+    # The script's own modules and project code on PYTHONPATH are never preloaded (nor named).
+    for name in ("projmod", "preload_localmod", "preload_job", "elasticstore"):
+        assert name not in out.split("preloaded for this round:")[1].splitlines()[0]
+        assert name not in event["refused"]
+
+
+@pytest.mark.slow
+def test_no_preload_imports_turns_it_off(tmp_path: object) -> None:
+    workdir = str(tmp_path)
+    out = _run(workdir, ["--no-preload-imports"], modules="slowpkg")
+    rec = _records(workdir)
+    assert rec[1]["loaded_at_start"] == [], out
+    assert rec[1]["import_seconds"]["slowpkg"] >= SLOW_IMPORT_S * 0.9
+    assert "preloaded" not in out
+    assert _events(workdir, "preload") == []
+
+
+@pytest.mark.slow
+def test_fork_server_that_got_a_thread_is_replaced(tmp_path: object) -> None:
+    """A package whose import starts a thread only sometimes (it passes the probe, then
+    starts one in the fork server itself): that server forks no more; a fresh one starts the
+    round, and the package is refused from then on."""
+    workdir = str(tmp_path)
+    flag = os.path.join(workdir, "imported-once")
+    # Imported by the worker, then by the probe, then by the fork server: a thread the third time.
+    sometimes = (f"import os, threading, time\nflag = {flag!r}\n"
+                 "n = os.path.getsize(flag) if os.path.exists(flag) else 0\n"
+                 "with open(flag, 'a') as f:\n"
+                 "    f.write('x')\n"
+                 "if n == 2:\n"
+                 "    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    out = _run(workdir, [], modules="sometimes", extra={"sometimes.py": sometimes},
+               await_import="sometimes")
+    assert "not preloaded: sometimes: its import started a thread" in out, out
+    assert "the fork server is not safe to fork any more (sometimes: " in out, out
+    assert sorted(_records(workdir)) == [0, 1]
+    [event] = _events(workdir, "preload")
+    assert event["tainted"].startswith("sometimes: ")
+
+
+def test_third_party_is_what_a_site_directory_holds(tmp_path: object) -> None:
+    """The longest path entry holding the module decides: a site-packages directory (also one
+    inside a project, as a virtual environment is) or not."""
+    proj = str(tmp_path)
+    site = os.path.join(proj, ".venv", "lib", "python3.11", "site-packages")
+    dist = os.path.join(proj, "usr", "lib", "python3", "dist-packages")
+    for d in (os.path.join(site, "pkg"), dist):
+        os.makedirs(d)
+    for path in (os.path.join(site, "pkg", "__init__.py"), os.path.join(dist, "mod.py"),
+                 os.path.join(proj, "own.py")):
+        open(path, "w").close()
+    path = [proj, site, dist]
+    for name, where, expect in (("pkg", site, os.path.join(site, "pkg")),
+                                ("mod", dist, os.path.join(dist, "mod.py")),
+                                ("own", proj, None)):
+        spec = PathFinder.find_spec(name, [where])
+        assert spec is not None
+        assert third_party_origin(spec, path) == expect
+    # Built-in and standard library modules are not third-party.
+    assert third_party_origin(PathFinder.find_spec("json") or _no("json"), path) is None
+
+
+def _no(name: str) -> Any:
+    raise AssertionError(f"{name} not found")
+
+
+def test_worker_variables_are_those_the_agent_sets() -> None:
+    """The variables whose lookup at import is reported are those the agent sets per worker."""
+    from types import SimpleNamespace
+
+    from elasticstore.agent.config import AgentSettings
+    from elasticstore.agent.envs import worker_env
+    from elasticstore.agent.preload import WORKER_VARIABLES
+
+    settings = AgentSettings(entrypoint="x.py", args=(), nproc=1, run_id="r", host="h",
+                             token_file="/token")
+    info = SimpleNamespace(bootstrap_store_info=None, rank=0, world_size=1)
+    env = worker_env(settings, info, True, 0, 0, 0, 1, "/error.json")  # type: ignore[arg-type]
+    set_by_agent = {k for k, v in env.items() if os.environ.get(k) != v}
+    assert set_by_agent - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= WORKER_VARIABLES
+    assert WORKER_VARIABLES <= set(env)
+
+
+def test_no_preload_imports_flag_and_its_environment_variable() -> None:
+    assert parse(["x.py"], {}).agent.preload_imports is True
+    assert parse(["--no-preload-imports", "x.py"], {}).agent.preload_imports is False
+    assert parse(["--no_preload_imports", "x.py"], {}).agent.preload_imports is False
+    assert parse(["x.py"], {"PET_NO_PRELOAD_IMPORTS": "1"}).agent.preload_imports is False
+
+
+def test_fork_server_modules_stay_small_and_standard_library_only() -> None:
+    """The fork server runs as a script and loads its siblings by path: they import nothing
+    from the package (and so never torch) before a worker runs."""
+    agent_dir = os.path.join(ROOT, "python", "elasticstore", "agent")
+    for name in ("forkserver.py", "preload.py", "importreport.py", "freshstate.py"):
+        with open(os.path.join(agent_dir, name)) as f:
+            text = f.read()
+        assert len(text.splitlines()) <= 400, name
+        imports = [ln for ln in text.splitlines() if ln.startswith(("import ", "from "))]
+        assert not [ln for ln in imports if ln.startswith("from .") or "elasticstore" in ln
+                    or "torch" in ln], (name, imports)
