@@ -228,8 +228,8 @@ def main() -> None:
                 row = run_job(launcher, scenario, args.step_time, interval)
                 if base.get("done") and row.get("done"):
                     row["goodput"] = base["seconds"] / row["seconds"]
-                row["same_weights"] = (row.get("weights") == base.get("weights")
-                                       if row.get("world") == base.get("world") else None)
+                comparable = not scenario.startswith("node") and row.get("world") == base.get("world")
+                row["same_weights"] = row.get("weights") == base.get("weights") if comparable else None
                 row["baseline_seconds"] = base["seconds"]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -276,7 +276,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_ylabel("goodput")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
