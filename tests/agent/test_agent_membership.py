@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from agent_nodes import agents, assert_gone, free_port, node_flags, until
@@ -79,6 +80,45 @@ def test_node_lost_with_default_settings_reforms_without_the_last_call(tmp_path:
         assert took < 15.0, f"{took:.1f}s: the round waited as if for the last call (30 s)"
         a.release()
         assert a.wait(n1, 60) == 0, a.output(n1)
+
+
+SLOW_FORK_SERVER = """import os, time
+with open("/proc/self/cmdline", "rb") as f:
+    if b"forkserver.py" in f.read():  # this test's stand-in for a slow torch import
+        time.sleep(float(os.environ.get("TEST_FORK_SERVER_DELAY", "0")))
+"""
+
+
+def test_a_joining_node_enters_the_rendezvous_once_its_fork_server_is_warm(tmp_path: Any) -> None:
+    """Node 2 joins a job that node 1 runs alone; node 2's fork server takes 6 s longer to start
+    (a ``sitecustomize`` on its PYTHONPATH). Node 2 joins only once its fork server is warm, so
+    node 1's workers go on training meanwhile: its workers of the next round start no earlier
+    than 6 s after node 2 was started (before, node 2 joined at once and node 1's workers waited
+    in the new round for node 2's import)."""
+    delay = 6.0
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_FORK_SERVER)
+    port = free_port()
+    (tmp_path / "run").mkdir()
+    with agents(str(tmp_path / "run")) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 1, "--max-restarts", "1"), name="n1")
+        until(lambda: _world_ready(a, 1) is not None, 120, "node 1 running alone")
+        started = time.time()
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(slow), os.environ.get("PYTHONPATH")])),
+               "TEST_FORK_SERVER_DELAY": str(delay)}
+        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 1, "--max-restarts", "1"), name="n2", env=env)
+        until(lambda: _world_ready(a, 2, started) is not None, 120, "both nodes in one round")
+        att = _world_ready(a, 2, started)
+        assert att is not None
+        rank0 = os.path.join(a.dir, f"start-{att}-0.json")  # node 1's worker of the new round
+        waited = os.path.getmtime(rank0) - started
+        print(f"node 2 started -> node 1's next-round worker started {waited:.2f}s later "
+              f"(node 2's fork server delayed {delay:g}s)")
+        assert waited >= delay, f"node 1's round ended {waited:.2f}s after node 2 started"
+        a.release()
+        for proc in (n1, n2):
+            assert a.wait(proc, 60) == 0, a.output(proc)
 
 
 def _joined(port: int, round_: int = 1) -> bool:

@@ -187,7 +187,7 @@ class Agent:
 
     def _rendezvous(self) -> RendezvousInfo | int:
         """``next_rendezvous`` in a thread, so a signal is handled at once; int: the signal."""
-        call = RendezvousCall(self.handler)
+        call = RendezvousCall(self.handler, self._server if self.s.warm and not self._rounds else None)
         self._rdzv_thread = call.thread
         return call.wait(self._sig_r)
 

@@ -119,6 +119,21 @@ class ForkServer:
         self.refused.update(report.refused)
         return report
 
+    def wait_warm(self, timeout: float = 600.0) -> bool:
+        """Blocks until the server has imported what it preloads for every worker (torch), so
+        that a worker could be forked at once; False: it died or did not answer in time."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            socket.send_fds(self._ctl, [json.dumps({"op": "ready"}).encode()], [theirs.fileno()])
+            theirs.close()
+            mine.settimeout(timeout)
+            return mine.recv(16) == b"ready"
+        except OSError:
+            return False
+        finally:
+            theirs.close()
+            mine.close()
+
     def replacement(self) -> ForkServer:
         """A fresh server with the same settings, refusing what this one refused."""
         return ForkServer(self.preload, self.learn, self.refused)

@@ -23,6 +23,7 @@ Protocol: see ``forkclient.py``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import gc
 import io
@@ -115,6 +116,12 @@ class _Server:
                     self._kill_all()
                     return None
                 request = json.loads(msg)
+                if request.get("op") == "ready":  # answered once what every worker gets is here
+                    for fd in fds:
+                        with contextlib.suppress(OSError):
+                            os.write(fd, b"ready")
+                        os.close(fd)
+                    continue
                 if request.get("op") == "preload":  # sent only to a learner
                     for fd in fds if learner is None else learner.answer(fds):
                         os.close(fd)

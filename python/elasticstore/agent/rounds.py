@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo
 from ..rendezvous.api import AgentRendezvous
 from ..rendezvous.records import int_field, parse_record
 from ..rendezvous.state import AgentKeys
+from .forkclient import ForkServer
 from .logs import say
 
 __all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign"]
@@ -25,15 +26,24 @@ ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the 
 
 
 class RendezvousCall:
-    """``handler.next_rendezvous()`` in a daemon thread (``thread``), started at once."""
+    """``handler.next_rendezvous()`` in a daemon thread (``thread``), started at once. With
+    ``warm`` (a node's first round) the thread first waits for that fork server to be warm
+    (torch imported): a node joining a running job (a replacement, a scale-up) then ends the
+    others' round only when its workers can start at once, not while it still imports torch.
+    The call is not made when the agent stopped waiting meanwhile (a signal)."""
 
-    def __init__(self, handler: AgentRendezvous) -> None:
+    def __init__(self, handler: AgentRendezvous, warm: ForkServer | None = None) -> None:
         self._result: dict[str, Any] = {}
         self._done_r, done_w = socket.socketpair()
-        result = self._result
+        self._abandoned = threading.Event()
+        result, abandoned = self._result, self._abandoned
 
         def target() -> None:
             try:
+                if warm is not None:
+                    warm.wait_warm()
+                if abandoned.is_set():
+                    raise InterruptedError("the agent stopped waiting for the rendezvous")
                 result["info"] = handler.next_rendezvous()
             except BaseException as exc:
                 result["error"] = exc
@@ -60,6 +70,7 @@ class RendezvousCall:
                         if key.fileobj is sig_r:
                             sigs = sig_r.recv(64)
                             say(f"[elasticstore-run] got {signal.Signals(sigs[0]).name} in the rendezvous")
+                            self._abandoned.set()
                             return sigs[0]
                         if "error" in self._result:
                             raise self._result["error"]
