@@ -15,9 +15,8 @@ and exits; it does the same when the agent closes the control socket. Other sign
 agent's process group (Ctrl-C, ``timeout``) are the agent's to act on: this process ignores them.
 
 Unless the agent turns it off, warm workers report the third-party packages they import
-(``importreport.py``), which this process preloads when idle (``preload.py``).
-
-Protocol: see ``forkclient.py``.
+(``importreport.py``), which this process preloads when idle (``preload.py``); a worker's exit
+during such an import is reported from the SIGCHLD handler. Protocol: see ``forkclient.py``.
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # Imported by the fork server before its first fork, so that no worker pays for them again.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
-# Imported once the first workers are forked and the server has been idle IDLE_PRELOAD_S: the next
-# round's workers find them loaded, and the first round does not wait for them. torch._dynamo:
-# creating a torch.optim optimizer imports it (1.4-3 s here), so nearly every training script does.
+# Imported once the first workers are forked and the server has been idle IDLE_PRELOAD_S (the
+# first round does not wait): torch._dynamo, which every torch.optim optimizer imports (1.4-3 s).
 DEFERRED_PRELOAD = ("torch._dynamo",)
 IDLE_PRELOAD_S = 0.5
 _MAX_MSG = 1 << 20
@@ -73,12 +71,12 @@ class _Server:
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.learner = learner  # workers report their imports to it (preload.py)
-        self.forked = False
+        self.forked, self.idle = False, False  # idle: in idle work (imports)
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
         signal.set_wakeup_fd(self.wake_w.fileno())
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGCHLD, self._on_child_exit)
         self.sel.register(self.ctl, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         learner = self.learner
@@ -88,12 +86,14 @@ class _Server:
             idle_work = self.deferred or (learner is not None and learner.pending)
             # Idle work waits for the first fork: the first round never waits for it.
             ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.forked else None)
+            self.idle = not ready
             if not ready and self.deferred:
                 _import(self.deferred.pop(0))
                 if learner is not None:  # what the fork server itself imports is trusted
                     learner.rebase()
             elif not ready and learner is not None:
                 learner.work(self._busy)
+            self.idle = False
             for key, _ in ready:
                 if learner is not None and key.fileobj == learner.pipe_r:
                     learner.drain()
@@ -129,6 +129,10 @@ class _Server:
                 job = self._fork(request, fds)
                 if job is not None:
                     return job
+
+    def _on_child_exit(self, *_: object) -> None:  # runs between an idle import's bytecodes
+        if self.idle:  # so an exit is not reported after the errors it causes elsewhere
+            self._reap(workers_only=True)
 
     def _busy(self) -> bool:
         """Asked during idle work: reports workers' exits at once (the agent reacts to a
@@ -201,28 +205,22 @@ class _Server:
     def _reaped(self, pid: int, wstatus: int) -> None:
         sock = self.workers.pop(pid, None)
         if sock is not None:  # else: an orphan of a worker's tree, adopted and now reaped
-            try:
+            with contextlib.suppress(OSError):
                 sock.send(f"exit {os.waitstatus_to_exitcode(wstatus)}".encode())
-            except OSError:
-                pass
             sock.close()
 
     def _kill_all(self) -> None:
         for pid in list(self.workers):
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             children = _children()
             if not children:
                 break
             for pid in children:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
             self._reap()
             time.sleep(0.01)
         self._reap()
