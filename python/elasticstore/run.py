@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._conf import parse_pairs
-from .agent.config import AgentSettings
+from .agent.config import FIRST_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, AgentSettings, parse_timeout
 from .agent.logs import parse_std
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError
@@ -111,6 +111,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
         "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
         "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
         "--event-log-handler": "null", "--metrics-port": None, "--metrics-addr": "127.0.0.1",
+        "--heartbeat-timeout": str(HEARTBEAT_TIMEOUT), "--first-heartbeat-timeout": str(FIRST_HEARTBEAT_TIMEOUT),
     }
     for flag, default in value.items():
         p.add_argument(*_names(flag), action=_Env, default=default)
@@ -155,6 +156,13 @@ def _int(flag: str, text: str, low: int = 0) -> int:
     if value < low:
         raise UsageError(flag, f"{value} must be at least {low}")
     return value
+
+
+def _timeout(flag: str, text: str) -> float | None:
+    try:
+        return parse_timeout(str(text))
+    except ValueError:
+        raise UsageError(flag, f"{text!r}: expected a positive number of seconds (0: off)") from None
 
 
 def _nnodes(text: str) -> tuple[int, int]:
@@ -322,6 +330,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         legacy_local_rank_arg=legacy and not args.use_env,
         event_log_handler=event_log_handler, metrics_port=metrics_port,
         metrics_addr=str(args.metrics_addr), token_file=rdzv.token_file,
+        heartbeat_timeout=_timeout("--heartbeat-timeout", args.heartbeat_timeout),
+        first_heartbeat_timeout=_timeout("--first-heartbeat-timeout", args.first_heartbeat_timeout),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
                        tuple(notices), rdzv)

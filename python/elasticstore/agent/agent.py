@@ -3,10 +3,12 @@
 ``Agent`` takes its parts from outside (the rendezvous handler, the fork server factory, the
 clock) and reacts to events from one wait point (a selector): a worker exited (its status socket
 from the fork server), the round must be replaced (a thread blocked in the handler's
-``watch_round``), a signal came (the wakeup fd), the fork server died. No timer loop.
+``watch_round``), a signal came (the wakeup fd), the fork server died; with heartbeats, the
+selector's timeout reads the heartbeat board.
 
-- A worker failed: end the round for everyone at once (``end_round``), stop the local group,
-  rendezvous again; each such failure spends one of ``max_restarts``.
+- A worker failed, or stopped beating (``hangs.py``: its stacks are shown first): end the round
+  for everyone at once (``end_round``), stop the local group, rendezvous again; each such failure
+  spends one of ``max_restarts``.
 - The round ended elsewhere (a node lost or waiting, a failure on another node): stop the local
   group and rendezvous again, without spending the budget.
 - Every worker succeeded: close the run as finished (its run id is refused from then on), exit
@@ -14,15 +16,15 @@ from the fork server), the round must be replaced (a thread blocked in the handl
   ``drain_timeout``, and it says so). A node whose round ends while a peer finished keeps
   waiting for its own workers: a finished peer is never taken for a lost one.
 - SIGTERM/SIGINT/...: forwarded to the workers, SIGKILL after ``shutdown_timeout``.
-- The rendezvous closed by an operator (``elasticstore stop``): stop the workers (SIGTERM, then
-  SIGKILL after ``shutdown_timeout``), report "stopped by operator", exit 0; an agent hosting the
-  rendezvous store first serves until the others left (``drain.py``).
+- The rendezvous closed by an operator (``elasticstore stop``): stop the workers, report "stopped
+  by operator", exit 0; an agent hosting the store first serves until the others left.
 
 Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import selectors
 import signal
@@ -43,7 +45,8 @@ from .envs import worker_argv, worker_env
 from .events import EventLog
 from .failures import Failure, failure_of, summary
 from .forkclient import ForkServer, settle_preloads
-from .logs import LogRelay, Std, console_for, open_log, say
+from .hangs import Hang, HangWatch
+from .logs import open_rank_log, rank_relay, say
 from .rounds import RendezvousCall, assign
 from .roundwatch import RoundWatcher
 from .snapshots import SnapshotArea
@@ -100,6 +103,8 @@ class Agent:
         if self._log_root and not self.s.log_dir:
             say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
         self._snapshots = SnapshotArea(self.s.run_id)  # kept across rounds, removed at the end
+        self._hangs = HangWatch(self._snapshots.path or tempfile.gettempdir(), self.s.nproc,
+                                self.s.heartbeat_timeout, self.s.first_heartbeat_timeout, self.s.host)
         self._server = self._server_factory(self.s.warm)
         code = 1
         try:
@@ -117,6 +122,7 @@ class Agent:
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
+            self._hangs.close()
             self._snapshots.close()
             # The last status while the rendezvous connection is still ours (and no rendezvous
             # thread, interrupted by a signal, still uses it).
@@ -170,8 +176,8 @@ class Agent:
             stopped = self._stop_group(signal.SIGTERM)
             if outcome == _FAILED:
                 # As torchrun: the report lists the workers stopped because of the failure too.
-                self._failures += [failure_of(w, self.s.host) for w in stopped
-                                   if w.exit_code not in (None, 0)]
+                self._failures += [failure_of(w, self.s.host) for w in stopped if w.exit_code
+                                   not in (None, 0) and w.pid not in {f.pid for f in self._failures}]
                 if self._failures_used >= self.s.max_restarts:
                     say(summary(self.s.entrypoint, self._failures))
                     self._close_rendezvous()
@@ -191,13 +197,10 @@ class Agent:
         self._rdzv_thread = call.thread
         return call.wait(self._sig_r)
 
-    def _attempt(self) -> int:
-        rnd = self.handler.round
-        return rnd.round - 1 if rnd is not None else self._local_attempts
-
     def _assign(self, info: RendezvousInfo) -> tuple[int, int, int]:
         """(attempt, first global rank here, world size) (``rounds.assign``)."""
-        attempt = self._attempt()
+        rnd = self.handler.round
+        attempt = rnd.round - 1 if rnd is not None else self._local_attempts
         self._local_attempts += 1
         return (attempt, *assign(info, attempt, self.s.nproc))
 
@@ -209,24 +212,25 @@ class Agent:
             self._server = self._server_factory(self.s.warm)
         self._server = settle_preloads(self._server, self.events)
         root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
+        self._hangs.new_round(attempt, multi_node=world > self.s.nproc)
         specs = []
         for local in range(self.s.nproc):
             rank = base + local
             rank_dir = os.path.join(root, str(rank))
             if self._log_root:  # checked before any worker starts: a refused path starts none
                 for stream in ("stdout", "stderr"):
-                    os.close(self._open_log(rank_dir, stream))
+                    os.close(open_rank_log(self._log_root, rank_dir, f"{stream}.log"))
             error_file = os.path.join(rank_dir, "error.json")
             argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
-            env.update(self._snapshots.env())
+            env.update(self._snapshots.env(), **self._hangs.env(local))
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self._log_root else None))
         for tries in range(2):
             self._group = WorkerGroup(self._server, self._clock)
             try:
-                self._group.start(specs, os.getcwd(), self._relay)
+                self._group.start(specs, os.getcwd(), functools.partial(rank_relay, self.s, self._log_root))
                 return
             except (RuntimeError, OSError) as exc:
                 self._stop_group(signal.SIGKILL)
@@ -235,22 +239,6 @@ class Agent:
                 say(f"[elasticstore-run] {exc}: starting a new fork server")
                 self._server.close()
                 self._server = self._server_factory(self.s.warm)
-
-    def _relay(self, spec: WorkerSpec, stream: str, fd: int) -> LogRelay:
-        local = spec.local_rank
-        quiet = Std.has(self.s.redirects.get(local, 0), stream) and not Std.has(
-            self.s.tee.get(local, 0), stream)
-        shown = self.s.local_ranks_filter is None or local in self.s.local_ranks_filter
-        file_fd = self._open_log(spec.log_dir, stream) if spec.log_dir else None
-        console = console_for(stream) if shown and not quiet else None
-        return LogRelay(fd, f"[{self.s.host}:{spec.rank}] ", file_fd, console,
-                        os.path.join(spec.log_dir or ".", f"{stream}.log"))
-
-    def _open_log(self, rank_dir: str, stream: str) -> int:
-        """``<rank_dir>/<stream>.log`` below the log root, no symbolic link followed."""
-        assert self._log_root is not None
-        parts = os.path.relpath(rank_dir, self._log_root).split(os.sep)
-        return open_log(self._log_root, parts, f"{stream}.log")
 
     def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
         rnd = self.handler.round
@@ -273,7 +261,9 @@ class Agent:
                 sel.register(wake_r, selectors.EVENT_READ)
                 sel.register(self._server.control, selectors.EVENT_READ)
                 for _ in range(1 << 40):
-                    for key, _ in sel.select():
+                    if (hang := self._hangs.check(self._group.running())) is not None:
+                        return self._hung(hang)
+                    for key, _ in sel.select(self._hangs.poll_interval()):
                         obj = key.fileobj
                         if obj is self._sig_r:
                             return _SIGNAL, self._sig_r.recv(64)[0]
@@ -313,6 +303,16 @@ class Agent:
                               if w.exit_code not in (None, 0)]
             self.events.failure(self._failures)
         return _FAILED, what
+
+    def _hung(self, hang: Hang) -> tuple[str, Any]:
+        """A worker stopped beating: its stacks to the console (and log), then as a failure."""
+        assert self._group is not None
+        self._hangs.report(hang, self._group.workers, self._log_root)
+        self.events.emit("hang", **hang.event)
+        outcome = self._failed(hang.what, None)
+        self._failures = [hang.failure]
+        self.events.failure(self._failures)
+        return outcome
 
     def _num_waiting(self) -> int:
         try:
@@ -379,8 +379,7 @@ class Agent:
     def _stopped_by_operator(self) -> bool:
         return self._closed_reason() == "stopped by operator"
 
-    def _run_finished(self) -> bool:
-        """A node of the run finished (its workers succeeded): the run is closed as finished."""
+    def _run_finished(self) -> bool:  # a node's workers succeeded: the run is closed as finished
         return self._closed_reason() == FINISHED
 
     def _operator_stop(self) -> int:

@@ -5,9 +5,26 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-__all__ = ["AgentSettings", "DRAIN_TIMEOUT"]
+__all__ = ["AgentSettings", "DRAIN_TIMEOUT", "FIRST_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT",
+           "parse_timeout"]
 
 DRAIN_TIMEOUT = 120.0  # how long a store host serves, after its workers succeeded, for the others
+# Hang detection (agent/hangs.py), for workers that call elasticstore.train.heartbeat() only.
+# Steady state: longer than any healthy step, shorter than gloo's 30 min collective timeout.
+HEARTBEAT_TIMEOUT = 600.0
+# Start to the first beat: imports, data loading, compilation, a restore; NCCL's own watchdog
+# (10 min) does not cover a rank that never reaches its first collective.
+FIRST_HEARTBEAT_TIMEOUT = 1800.0
+
+
+def parse_timeout(text: str) -> float | None:
+    """Seconds for a heartbeat timeout flag; 0 or "none": off (None). Raises ValueError."""
+    if text.strip().lower() in ("0", "none", "off"):
+        return None
+    value = float(text)
+    if not 0 < value < 1e9:
+        raise ValueError(f"{text!r}: expected a positive number of seconds (0: off)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,8 @@ class AgentSettings:
     # --rdzv-conf token_file (absolute): workers get it as ELASTICSTORE_TOKEN_FILE (the path,
     # never the token), and the agent's own connections to the round's store use it.
     token_file: str | None = None
+    heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT  # None: off
+    first_heartbeat_timeout: float | None = FIRST_HEARTBEAT_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -20,9 +20,10 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "open_log", "parse_std", "say"]
+__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "open_log", "open_rank_log", "parse_std",
+           "rank_relay", "say"]
 
 _CONSOLE_LOCK = threading.Lock()
 _MAX_LINE = 1 << 16  # a longer line is written in pieces of this size
@@ -173,3 +174,22 @@ def say(text: str) -> None:
     with _CONSOLE_LOCK:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+def open_rank_log(log_root: str, rank_dir: str, name: str) -> int:
+    """``<rank_dir>/<name>`` below ``log_root`` (a worker's attempt directory), no symbolic link
+    followed."""
+    parts = os.path.relpath(rank_dir, log_root).split(os.sep)
+    return open_log(log_root, parts, name)
+
+
+def rank_relay(s: Any, log_root: str | None, spec: Any, stream: str, fd: int) -> LogRelay:
+    """The relay of one worker's ``stream``: to its log file and (unless redirected, or filtered
+    out by --local-ranks-filter) to the launcher's console, prefixed ``[host:rank]``."""
+    local, rank, rank_dir = spec.local_rank, spec.rank, spec.log_dir
+    quiet = Std.has(s.redirects.get(local, 0), stream) and not Std.has(s.tee.get(local, 0), stream)
+    shown = s.local_ranks_filter is None or local in s.local_ranks_filter
+    file_fd = open_rank_log(log_root, rank_dir, f"{stream}.log") if rank_dir and log_root else None
+    console = console_for(stream) if shown and not quiet else None
+    return LogRelay(fd, f"[{s.host}:{rank}] ", file_fd, console,
+                    os.path.join(rank_dir or ".", f"{stream}.log"))

@@ -5,7 +5,8 @@ resumes at another size (``state_dict``/``load_state_dict``) sees every sample o
 ``save_checkpoint``/``load_checkpoint`` write and read checkpoints atomically;
 ``load_checkpoint_from_any_rank`` resumes from node-local directories. ``Snapshots`` copies the
 state every step into the agent's shared memory and writes the disk checkpoints from it in the
-background; its ``restore`` resumes from the newest step any node holds. Nothing here imports the
+background; its ``restore`` resumes from the newest step any node holds. ``heartbeat()`` (once
+per step) and ``section()`` let the agent tell a hang from a long step. Nothing here imports the
 agent or the rendezvous: it runs unchanged under ``torchrun``. See ``docs/training.md``.
 """
 
@@ -19,6 +20,7 @@ from .checkpoint import (
     load_checkpoint_from_any_rank,
     save_checkpoint,
 )
+from .heartbeat import heartbeat, section
 from .sampler import ElasticDistributedSampler
 from .snapshot import KEEP_PER_RANK, Restored, SnapshotSettings, Snapshots
 
@@ -30,8 +32,10 @@ __all__ = [
     "Restored",
     "SnapshotSettings",
     "Snapshots",
+    "heartbeat",
     "list_checkpoints",
     "load_checkpoint",
     "load_checkpoint_from_any_rank",
     "save_checkpoint",
+    "section",
 ]
