@@ -263,6 +263,7 @@ class Agent:
                 for _ in range(1 << 40):
                     if (hang := self._hangs.check(self._group.running())) is not None:
                         return self._hung(hang)
+                    self.events.ranks(self._hangs.report_due(self._group.workers))
                     for key, _ in sel.select(self._hangs.poll_interval()):
                         obj = key.fileobj
                         if obj is self._sig_r:

@@ -136,6 +136,15 @@ class EventLog:
                      "exit_code": f.exit_code, "how": f.how, "when": f.when,
                      "message": f.message, "error_file": f.error_file})
 
+    def ranks(self, report: dict[str, dict[str, Any]] | None) -> None:
+        """The beating workers' step times (``hangs.HangWatch.report_due``): into the status
+        record (``elasticstore status`` marks stragglers job-wide) and the metrics."""
+        if report is None:
+            return
+        self.publish(ranks=report)
+        if self.metrics is not None:
+            self.metrics.ranks(report)
+
     def torch_event(self, state: str, worker: Worker | None = None,
                     exit_code: int | None = None) -> None:
         """Records ``torchelastic.worker.status.<state>`` (a worker's, or with no worker the

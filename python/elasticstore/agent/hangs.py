@@ -48,6 +48,7 @@ __all__ = ["Hang", "HangWatch", "waits_on_peers"]
 
 STACKS_WAIT_S = 1.0  # how long the agent waits for the asked stacks to be written
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # how often the board is read: a tenth of the timeout, within these
+REPORT_EVERY_S = 5.0  # how often the ranks' step times go to the status record and the metrics
 # Frames of a rank that waits for its peers (collectives, DDP's reducer inside backward).
 PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
 
@@ -59,6 +60,14 @@ def waits_on_peers(stacks: str) -> bool:
         return False
     frames = [ln.strip() for ln in blocks[-1].splitlines() if ln.strip().startswith("File ")]
     return bool(frames) and any(p in frames[0] for p in PEER_WAIT_PATHS)
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return round(ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2, 6)
 
 
 def _size(path: str) -> int:
@@ -117,6 +126,7 @@ class HangWatch:
         self._round = 0
         self._started = 0.0
         self._deferred_until: float | None = None
+        self._next_report = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -146,10 +156,30 @@ class HangWatch:
 
     def poll_interval(self) -> float | None:
         """Seconds until the board should be read again (None: never)."""
-        if self._map is None or not self.enabled:
+        if self._map is None:
             return None
-        shortest = min(t for t in (self.timeout, self.first_timeout) if t is not None)
-        return min(POLL_MAX_S, max(POLL_MIN_S, shortest / 10))
+        timeouts = [t for t in (self.timeout, self.first_timeout) if t is not None]
+        return min(POLL_MAX_S, max(POLL_MIN_S, min(timeouts) / 10)) if timeouts else POLL_MAX_S
+
+    def report_due(self, workers: list[Worker]) -> dict[str, dict[str, Any]] | None:
+        """Every REPORT_EVERY_S, each beating worker's step (beats), median step time and
+        median time in sections per step (the straggler view), and how long it has been silent;
+        None when not due or nothing beats."""
+        now = time.monotonic()
+        if self._map is None or now < self._next_report:
+            return None
+        self._next_report = now + REPORT_EVERY_S
+        out: dict[str, dict[str, Any]] = {}
+        for w in workers:
+            v = self.slot(w.spec.local_rank)
+            if v is None or not v.beats or w.exit_code is not None:
+                continue
+            out[str(w.spec.rank)] = {
+                "step": v.beats, "step_seconds": _median(v.steps),
+                "work_seconds": _median(v.work) if any(v.work) else None,
+                "silent_seconds": round(max(0.0, now - v.last_beat_ns / 1e9), 3),
+                "section": v.section or None}
+        return out or None
 
     def slot(self, local_rank: int) -> SlotView | None:
         return read_slot(self._map, local_rank) if self._map is not None else None

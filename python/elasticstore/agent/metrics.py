@@ -14,6 +14,13 @@ elasticstore_worker_exits_total{code}                     counter   worker exits
 elasticstore_recovery_seconds                             histogram end of a round to the next
                                                                     round's workers
 elasticstore_world_size                                   gauge     workers in the current round
+elasticstore_worker_step{rank}                            gauge     steps beaten by each local rank
+                                                                    (with heartbeats)
+elasticstore_worker_step_seconds{rank}                    gauge     its median step time (last 8
+                                                                    beats)
+elasticstore_worker_work_seconds{rank}                    gauge     its median time in sections per
+                                                                    step (the straggler measure)
+elasticstore_worker_heartbeat_age_seconds{rank}           gauge     time since its last beat
 elasticstore_store_client_calls_total{backend,op,outcome} counter   store client calls by backend
                                                                     (native, etcd), operation (set,
                                                                     get, add, compare_set, wait,
@@ -25,7 +32,10 @@ elasticstore_store_client_call_seconds{backend,op}        histogram their latenc
 
 The store client's series are read at scrape time from
 :func:`elasticstore.client_call_stats` (every store of the agent's process: the rendezvous's and
-any other); an operation appears once it was called.
+any other); an operation appears once it was called. The worker series cover this node's ranks
+and are refreshed every 5 s; ranks slower than the job's median, job-wide (what ``elasticstore
+status`` marks), in PromQL: ``elasticstore_worker_work_seconds > 1.5 * scalar(quantile(0.5,
+elasticstore_worker_work_seconds))``.
 """
 
 from __future__ import annotations
@@ -37,6 +47,12 @@ from ..stores.call_stats import CLIENT_CALL_BUCKETS, client_call_stats
 
 __all__ = ["AgentMetrics"]
 
+_WORKER_GAUGES = {
+    "step": "Steps beaten by the rank (elasticstore.train.heartbeat)",
+    "step_seconds": "The rank's median step time over its last 8 beats",
+    "work_seconds": "The rank's median time in sections per step (elasticstore.train.section)",
+    "heartbeat_age_seconds": "Time since the rank's last beat",
+}
 _BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -61,6 +77,8 @@ class AgentMetrics:
                                        buckets=_BUCKETS, registry=reg)
         self._world = prom.Gauge("elasticstore_world_size", "Workers in the current round",
                                  registry=reg)
+        self._worker = {name: prom.Gauge(f"elasticstore_worker_{name}", text, ["rank"], registry=reg)
+                        for name, text in _WORKER_GAUGES.items()}
         for cause in ("worker_failure", "node_lost", "node_joined"):
             self._restarts.labels(cause)
         reg.register(_StoreClientCollector())
@@ -75,6 +93,17 @@ class AgentMetrics:
         self._restarts.labels(cause).inc()
         if recover_seconds is not None:
             self._recover.observe(recover_seconds)
+
+    def ranks(self, report: dict[str, dict[str, Any]]) -> None:
+        """This node's beating ranks (``hangs.HangWatch.report_due``); old ranks are dropped."""
+        for gauge in self._worker.values():
+            gauge.clear()
+        for rank, r in report.items():
+            for name, key in (("step", "step"), ("step_seconds", "step_seconds"),
+                              ("work_seconds", "work_seconds"),
+                              ("heartbeat_age_seconds", "silent_seconds")):
+                if r.get(key) is not None:
+                    self._worker[name].labels(rank).set(r[key])
 
     def worker_exit(self, code: str) -> None:
         self._exits.labels(code).inc()

@@ -8,6 +8,8 @@ The object (``--json``)::
      "members": [{"node", "addr", "group_rank", "local_workers", "state", "round", ...}],
      "standby": [node], "waiting": [node], "restarts": int, "failure_restarts": int,
      "last_failure": {"rank", "host", "exit_code", "signal", "message", ...} | null,
+     "ranks": [{"rank", "node", "step", "step_seconds", "work_seconds", "silent_seconds",
+                "measure", "ratio", "straggler"}]  (beating ranks: ``stragglers.py``),
      "store": {counter: value} | {"error": ...}}
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from ..rendezvous.records import int_field, number_field, parse_json, str_field
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists, read_round
+from .stragglers import rank_rows, straggler_lines
 from .terminal import printable
 
 __all__ = ["MEMBER_COLUMNS", "footer_lines", "header_lines", "job_status", "member_rows", "render"]
@@ -87,6 +90,7 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
         "failure_restarts": max((int_field(r, "failure_restarts", 0) or 0
                                  for r in records.values()), default=0),
         "last_failure": failure if isinstance(failure, dict) else None,
+        "ranks": rank_rows(records, participants),
         "store": health,
     }
 
@@ -136,6 +140,7 @@ def footer_lines(st: dict[str, Any]) -> list[str]:
         lines.append(printable(
             f"last failure: rank {f.get('rank')} on {f.get('host')}: {f.get('how')} "
             f"(exit code {f.get('exit_code')}) at {_when(f.get('when'))}: {f.get('message')}"))
+    lines += straggler_lines(st.get("ranks") or [])
     health = st["store"]
     lines.append("store: " + (printable(health["error"]) if "error" in health else
                               ", ".join(f"{k} {v}" for k, v in sorted(health.items()))))
