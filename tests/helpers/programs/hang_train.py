@@ -3,11 +3,13 @@ purpose, hangs one rank in its first attempt: ``--hang sleep`` blocks in user co
 SIGSTOPs itself, ``--hang slow`` (no hang) sleeps ``--slow`` seconds inside ``section("compute")``
 every step. Every other rank then blocks in its next all_reduce.
 
-Records in ``--dir``: ``init-<attempt>-<rank>`` (time past init_process_group), ``hang`` (time the
+Records in ``--dir``: ``start-<attempt>-<rank>.json`` (its pid, for the tests' clean-up),
+``init-<attempt>-<rank>`` (time past init_process_group), ``hang`` (time the
 rank stopped beating), ``done-<rank>`` at the end. Runs ``--steps`` steps of ``--step-time`` s.
 """
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -36,6 +38,9 @@ def main() -> None:
     from elasticstore.train import heartbeat, section
 
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with open(os.path.join(args.dir, f"start-{attempt}-{rank}.json"), "w") as f:
+        json.dump({"pid": os.getpid(), "rank": rank, "attempt": attempt,
+                   "world": int(os.environ["WORLD_SIZE"])}, f)
     dist.init_process_group("gloo")
     with open(os.path.join(args.dir, f"init-{attempt}-{rank}"), "w") as f:
         f.write(repr(time.time()))
