@@ -20,7 +20,7 @@ from .checkpoint import (
     load_checkpoint_from_any_rank,
     save_checkpoint,
 )
-from .heartbeat import heartbeat, section
+from .heartbeats import heartbeat, section
 from .sampler import ElasticDistributedSampler
 from .snapshot import KEEP_PER_RANK, Restored, SnapshotSettings, Snapshots
 

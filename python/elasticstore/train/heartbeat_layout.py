@@ -1,5 +1,5 @@
 """The heartbeat board: one file in the agent's memory area (``/dev/shm``), one fixed slot per
-local rank, written by the worker (``heartbeat.py``) and read by its agent (``agent/hangs.py``).
+local rank, written by the worker (``heartbeats.py``) and read by its agent (``agent/hangs.py``).
 Standard library only: both sides import it.
 
 A slot (little-endian, ``SLOT_BYTES``)::
