@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elasticstore.train import ElasticDistributedSampler, Snapshots
+from elasticstore.train import ElasticDistributedSampler, Snapshots, heartbeat
 
 
 class SyntheticRegression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
                     "last_loss": last_loss,
                 }, step)
+            heartbeat()  # elasticstore-run --heartbeat-timeout: a rank silent too long is a hang
         flush(epoch)
     snaps.close()  # waits for the disk checkpoint being written
 
