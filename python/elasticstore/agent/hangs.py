@@ -14,7 +14,9 @@ On a hang every local worker that registered its stack dump is asked for its Pyt
 (``faulthandler`` on ``STACK_SIGNAL``, written to a file per worker). Every rank blocked on a hung
 peer stops beating too, so the stacks decide which rank is the hang: a silent rank whose main
 thread is in torch's collectives or autograd waits on a peer; the others are hung themselves.
-The hang is the longest-silent rank not waiting on a peer. When every silent rank here waits on a
+Once one rank is over its limit, every rank past half of its own is a suspect (peers blocked on a
+hung rank went silent within a step of it, whichever crossed first); the hang is the
+longest-silent suspect not waiting on a peer. When every silent rank here waits on a
 peer and the job has ranks on other nodes, the cause is likely there: this agent waits one more
 timeout for that node's agent to end the round before it ends it itself. The hung ranks are then
 SIGKILLed (their stacks are taken; a stopped process gets no SIGTERM), the round is ended for every
@@ -48,6 +50,7 @@ __all__ = ["Hang", "HangWatch", "waits_on_peers"]
 
 STACKS_WAIT_S = 1.0  # how long the agent waits for the asked stacks to be written
 POLL_MIN_S, POLL_MAX_S = 0.05, 1.0  # how often the board is read: a tenth of the timeout, within these
+SUSPECT_SHARE = 0.5  # once one worker is over its limit, those past this share of theirs are suspects
 REPORT_EVERY_S = 5.0  # how often the ranks' step times go to the status record and the metrics
 # Frames of a rank that waits for its peers (collectives, DDP's reducer inside backward).
 PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
@@ -184,7 +187,8 @@ class HangWatch:
     def slot(self, local_rank: int) -> SlotView | None:
         return read_slot(self._map, local_rank) if self._map is not None else None
 
-    def _silence(self, w: Worker, now_ns: int) -> Silent | None:
+    def _silence(self, w: Worker, now_ns: int, share: float = 1.0) -> Silent | None:
+        """``w`` silent past ``share`` of the limit that applies to it (1.0: it is over it)."""
         view = self.slot(w.spec.local_rank)
         assert view is not None
         if view.beats:
@@ -192,35 +196,40 @@ class HangWatch:
         if view.section_until_ns == NO_DEADLINE:
             return None
         if view.section_until_ns:
-            if now_ns <= view.section_until_ns:
-                return None
-            ran = (now_ns - view.section_from_ns) / 1e9
             allowed = (view.section_until_ns - view.section_from_ns) / 1e9
+            ran = (now_ns - view.section_from_ns) / 1e9
+            if ran <= allowed * share:
+                return None
             return Silent(w, view, ran, f"section {view.section!r} ran {ran:.1f}s, over its "
                           f"timeout of {allowed:g}s (after step {view.beats})")
         if view.beats == 0:
             quiet = now_ns / 1e9 - self._started
-            if self.first_timeout is None or not self.beating_seen or quiet <= self.first_timeout:
+            if self.first_timeout is None or not self.beating_seen or \
+                    quiet <= self.first_timeout * share:
                 return None
             return Silent(w, view, quiet, f"no first heartbeat {quiet:.1f}s after it started "
                           f"(--first-heartbeat-timeout {self.first_timeout:g}s)")
         quiet = (now_ns - view.last_beat_ns) / 1e9
-        if self.timeout is None or quiet <= self.timeout:
+        if self.timeout is None or quiet <= self.timeout * share:
             return None
         return Silent(w, view, quiet, f"no heartbeat for {quiet:.1f}s (last at step {view.beats}; "
                       f"--heartbeat-timeout {self.timeout:g}s)")
 
     def check(self, running: list[Worker]) -> Hang | None:
-        """The hang among ``running``, if any (asks for stacks: call only when a verdict matters)."""
+        """The hang among ``running``, if any (asks for stacks: call only when a verdict matters).
+
+        Once one worker is over its limit, every worker past ``SUSPECT_SHARE`` of its own is a
+        suspect too: ranks blocked in a collective on a hung peer went silent within a step of
+        it, and whichever crossed first, the stacks tell them apart."""
         if self._map is None or not self.enabled:
             return None
         now_ns = time.monotonic_ns()
-        silent = [s for w in running if (s := self._silence(w, now_ns)) is not None]
-        if not silent:
+        if not any(self._silence(w, now_ns) is not None for w in running):
             self._deferred_until = None
             return None
         if self._deferred_until is not None and time.monotonic() < self._deferred_until:
             return None
+        silent = [s for w in running if (s := self._silence(w, now_ns, SUSPECT_SHARE)) is not None]
         stacks = self._take_stacks(running)
         for s in silent:
             s.stacks = stacks.get(s.worker.pid, "")
@@ -283,7 +292,7 @@ class HangWatch:
                  "silent_seconds": round(culprit.seconds, 3), "step": culprit.view.beats,
                  "section": culprit.view.section or None, "why": culprit.why,
                  "silent_ranks": [s.worker.spec.rank for s in silent],
-                 "waiting_ranks": [s.worker.spec.rank for s in silent if s.waiting]}
+                 "waiting_ranks": sorted(s.worker.spec.rank for s in silent if s.waiting)}
         return Hang(silent, culprit, self.host, failure, stacks, event)
 
     def stacks_text(self, hang: Hang, running: list[Worker]) -> str:
@@ -294,7 +303,7 @@ class HangWatch:
         for w in order:
             text = texts.get(w.pid, "")
             role = "hung" if w is hang.culprit.worker else (
-                "waits on a peer" if any(s.worker is w and s.waiting for s in hang.silent) else "peer")
+                "waits on a peer" if waits_on_peers(text) else "peer")
             lines.append(f"--- stacks of rank {w.spec.rank} (local {w.spec.local_rank}, pid {w.pid}, "
                          f"{role}) ---")
             lines.extend((text or "(no stacks: it does not beat, or did not answer)").rstrip().splitlines())
