@@ -1,6 +1,6 @@
 """Hangs and stragglers with real agents and gloo workers (``hang_train.py``): a rank that stops
 beating is found, its stacks and its peers' are shown, the group restarts and the job finishes; a
-SIGSTOPped worker; a hang on the second of two nodes; a script that never beats is never judged;
+SIGSTOPped worker; a hang on the second of two nodes, named in ``elasticstore status``; a script that never beats is never judged;
 a slow rank is marked in ``elasticstore status``. Timings are printed, not asserted beyond a
 generous bound (benchmarks/hang.py measures them)."""
 
@@ -84,9 +84,17 @@ def test_a_hang_on_the_second_node_is_named_by_its_agent(tmp_path: Any) -> None:
     flags = ["--heartbeat-timeout", "3", "--max-restarts", "1"]
     with agents(d) as a:
         n1 = a.start(node_flags("127.0.0.2", port, "2", 2, *flags), ["--dir", d, "--hang", "sleep",
-                     "--hang-rank", "3"], script=HANG, name="n1")
+                     "--hang-rank", "3", "--steps", "200"], script=HANG, name="n1")
         n2 = a.start(node_flags("127.0.0.3", port, "2", 2, *flags), ["--dir", d, "--hang", "sleep",
-                     "--hang-rank", "3"], script=HANG, name="n2")
+                     "--hang-rank", "3", "--steps", "200"], script=HANG, name="n2")
+        until(lambda: len(_inits(d, 1)) == 4, 90, "the restarted group")
+        st = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--rdzv-endpoint",
+                             f"127.0.0.2:{port}", "--rdzv-id", "job", "--json"],
+                            capture_output=True, text=True, timeout=30)
+        assert st.returncode == 0, st.stderr
+        failure = json.loads(st.stdout)["last_failure"]
+        assert failure["rank"] == 3 and failure["host"] == "127.0.0.3", failure
+        assert failure["message"].startswith("hung: no heartbeat for"), failure
         assert a.wait(n2, 120) == 0, a.output(n2)
         assert a.wait(n1, 120) == 0, a.output(n1)
         out1, out2 = a.output(n1), a.output(n2)

@@ -186,3 +186,15 @@ def test_quotes_left_in_by_torchs_rdzv_conf_parser() -> None:
                                            max_nodes=1, local_addr=None,
                                            config=_parse_rendezvous_config(text))
         assert (s.join_timeout, s.last_call_timeout) == (5.0, 1.0)
+
+
+def test_heartbeat_timeouts() -> None:
+    a = parse(["t.py"]).agent
+    assert (a.heartbeat_timeout, a.first_heartbeat_timeout) == (600.0, 1800.0)
+    a = parse(["--heartbeat-timeout", "3", "--first_heartbeat_timeout", "0", "t.py"]).agent
+    assert (a.heartbeat_timeout, a.first_heartbeat_timeout) == (3.0, None)
+    a = parse(["--heartbeat-t", "7", "t.py"], {"PET_FIRST_HEARTBEAT_TIMEOUT": "60"}).agent
+    assert (a.heartbeat_timeout, a.first_heartbeat_timeout) == (7.0, 60.0)
+    for bad in ("-1", "x", "nan"):
+        with pytest.raises(UsageError, match="--heartbeat-timeout"):
+            parse(["--heartbeat-timeout", bad, "t.py"])
