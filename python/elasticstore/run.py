@@ -29,6 +29,7 @@ from typing import Any
 
 from ._conf import parse_pairs
 from .agent.config import FIRST_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, AgentSettings, parse_timeout
+from .agent.healthflags import add_flags as add_health_flags, health_settings
 from .agent.logs import parse_std
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError
@@ -122,6 +123,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument(*_names("--no-python"), action=_CheckEnv)
     p.add_argument(*_names("--run-path"), action=_CheckEnv)
     p.add_argument(*_names("--no-preload-imports"), action=_CheckEnv)
+    add_health_flags(p, _names, _Env, _CheckEnv)  # --health-check* (agent/healthflags.py)
     for flag in UNSUPPORTED:
         p.add_argument(*_names(flag), action=_Refused)
     p.add_argument("training_script")
@@ -332,6 +334,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         metrics_addr=str(args.metrics_addr), token_file=rdzv.token_file,
         heartbeat_timeout=_timeout("--heartbeat-timeout", args.heartbeat_timeout),
         first_heartbeat_timeout=_timeout("--first-heartbeat-timeout", args.first_heartbeat_timeout),
+        health=health_settings(args, UsageError),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
                        tuple(notices), rdzv)

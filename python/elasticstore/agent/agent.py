@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from ..rendezvous.api import AgentRendezvous, as_agent_rendezvous
 from ..rendezvous.closing import FINISHED
-from . import drain
+from . import drain, health
 from .config import AgentSettings
 from .envs import worker_argv, worker_env
 from .events import EventLog
@@ -148,8 +148,8 @@ class Agent:
 
     def _loop(self) -> int:
         for _ in range(1 << 30):
-            t0 = self._clock()
-            info = self._rendezvous()
+            sig, t0 = health.gate(self), self._clock()  # health.py: checks this node when due
+            info = sig or self._rendezvous()
             if isinstance(info, int):
                 return 128 + info
             self._rounds += 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-__all__ = ["AgentSettings", "DRAIN_TIMEOUT", "FIRST_HEARTBEAT_TIMEOUT", "HEARTBEAT_TIMEOUT",
-           "parse_timeout"]
+__all__ = ["AgentSettings", "DRAIN_TIMEOUT", "FIRST_HEARTBEAT_TIMEOUT", "HEALTH_CHECK_TIMEOUT",
+           "HEARTBEAT_TIMEOUT", "HealthSettings", "MAX_MATMUL_MS", "parse_timeout"]
 
 DRAIN_TIMEOUT = 120.0  # how long a store host serves, after its workers succeeded, for the others
 # Hang detection (agent/hangs.py), for workers that call elasticstore.train.heartbeat() only.
@@ -25,6 +25,35 @@ def parse_timeout(text: str) -> float | None:
     if not 0 < value < 1e9:
         raise ValueError(f"{text!r}: expected a positive number of seconds (0: off)")
     return value
+
+
+# The health check's defaults (docs/agent.md#health-checks): a warm check takes 0.1-0.5 s and a
+# plain one (N fresh interpreters importing torch) 2-20 s on a loaded host, so 60 s flags only a
+# check that hangs (gloo's own default timeout is 30 min), and bounds how long the others wait
+# for a node whose workers just failed before it steps aside.
+HEALTH_CHECK_TIMEOUT = 60.0
+# A 512x512 float32 product takes 1-20 ms on one core of any healthy CPU, loaded or not: a
+# median over 1 s means a node ~100x slower than it should be.
+MAX_MATMUL_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """``--health-check``, ``--health-check-cmd``, ``--health-check-timeout``,
+    ``--health-check-max-matmul-ms`` (``healthflags.py``)."""
+
+    enabled: bool = False
+    command: str | None = None  # run with the shell instead of the default check; exit 0: healthy
+    timeout: float = HEALTH_CHECK_TIMEOUT  # seconds: a check that takes longer failed
+    max_matmul_ms: float = MAX_MATMUL_MS  # the default check's limit (slowest rank's median); 0: none
+    matmul_size: int = 512
+    matmul_reps: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError(f"health-check-timeout {self.timeout}: must be positive")
+        if self.max_matmul_ms < 0:
+            raise ValueError(f"health-check-max-matmul-ms {self.max_matmul_ms}: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -58,6 +87,7 @@ class AgentSettings:
     token_file: str | None = None
     heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT  # None: off
     first_heartbeat_timeout: float | None = FIRST_HEARTBEAT_TIMEOUT
+    health: HealthSettings = field(default_factory=HealthSettings)  # checks before joining
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -72,14 +72,17 @@ class ForkServer:
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, kind: str,
               stdout: int, stderr: int, timeout: float = 300.0,
-              stdin: int | None = None) -> tuple[int, socket.socket]:
+              stdin: int | None = None, check: bool = False) -> tuple[int, socket.socket]:
         """Starts a worker; returns its pid (== its process group) and its status socket.
-        ``stdin``: the worker's standard input (None: /dev/null)."""
+        ``stdin``: the worker's standard input (None: /dev/null). ``check``: a health check's
+        process, contained as a worker, which leaves the server's idle work (the deferred
+        preload) waiting for the first real worker."""
         self._forked = True
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDONLY) if stdin is None else -1
         try:
-            msg = json.dumps({"argv": argv, "env": env, "cwd": cwd, "kind": kind}).encode()
+            job = {"argv": argv, "env": env, "cwd": cwd, "kind": kind, "check": check}
+            msg = json.dumps(job).encode()
             fd_in = null if stdin is None else stdin
             socket.send_fds(self._ctl, [msg], [theirs.fileno(), fd_in, stdout, stderr])
         finally:

@@ -161,7 +161,7 @@ class _Server:
         # collections (and its exit) never traverse torch's objects, and never write to their
         # pages, which then stay shared with this process (Python's advice for fork without exec).
         gc.freeze()
-        self.forked = True
+        self.forked = self.forked or not job.get("check")  # a health check's: no idle work yet
         pid = os.fork()
         if pid == 0:
             job["fds"] = fds[1:]

@@ -6,7 +6,9 @@ The object (``--json``)::
     {"run_id", "endpoint", "backend", "closed": reason | null,
      "round": {"number", "world_size", "formed_at", "rendezvous_seconds"} | null,
      "members": [{"node", "addr", "group_rank", "local_workers", "state", "round", ...}],
-     "standby": [node], "waiting": [node], "restarts": int, "failure_restarts": int,
+     "standby": [node], "waiting": [node],
+     "unhealthy": [{"node", "addr", "host", "state", "updated"}],
+     "restarts": int, "failure_restarts": int,
      "last_failure": {"rank", "host", "exit_code", "signal", "message", ...} | null,
      "ranks": [{"rank", "node", "step", "step_seconds", "work_seconds", "silent_seconds",
                 "measure", "ratio", "straggler"}]  (beating ranks: ``stragglers.py``),
@@ -80,12 +82,19 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
             "workers": sum(int_field(r, "local_workers", 0) or 0 for r in formed) or None,
         }
     waiting = [n for n in alive if n not in participants and n not in standby]
+    # Nodes whose health check failed (agent/health.py): out of the rendezvous, retrying.
+    unhealthy = [{"node": n, "addr": str_field(r, "addr", n.rsplit("-", 2)[0]),
+                  "host": str_field(r, "host"), "state": str_field(r, "state"),
+                  "updated": number_field(r, "updated")}
+                 for n, r in sorted(records.items())
+                 if (str_field(r, "state") or "").startswith("unhealthy")]
     closed_reason = closed_obj.get("reason", "closed") if isinstance(closed_obj, dict) else None
     return {
         "run_id": addr.run_id, "endpoint": addr.endpoint, "backend": addr.backend,
         "closed": (str(closed_reason) if closed_reason is not None
                    else ("closed" if closed is not None else None)),
         "round": round_obj, "members": members, "standby": standby, "waiting": waiting,
+        "unhealthy": unhealthy,
         "restarts": rnd.round - 1 if rnd else 0,
         "failure_restarts": max((int_field(r, "failure_restarts", 0) or 0
                                  for r in records.values()), default=0),
@@ -131,10 +140,13 @@ def member_rows(st: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def footer_lines(st: dict[str, Any]) -> list[str]:
-    """Waiting and standby nodes, restarts, the last failure, the store's health."""
+    """Waiting, standby and unhealthy nodes, restarts, the last failure, the store's health."""
     lines = [f"waiting: {printable(', '.join(st['waiting'])) or 'none'}; "
              f"standby: {printable(', '.join(st['standby'])) or 'none'}",
              f"restarts: {st['restarts']} (after failures: {st['failure_restarts']})"]
+    for u in st.get("unhealthy", []):
+        lines.append(printable(f"{u['node']} ({u['addr']}): {u['state']}, updated "
+                               f"{_when(u['updated'])}"))
     f = st["last_failure"]
     if f:
         lines.append(printable(

@@ -117,6 +117,12 @@ class AgentRendezvous(Protocol):
         on a connection of its own with a short deadline (the round's store may have gone with
         its host); False when it cannot tell."""
 
+    def step_aside(self) -> None:
+        """This node stays out of the rendezvous for now (its health check failed): leaves the
+        current round and withdraws its liveness key, so the others neither wait for it to come
+        back nor count it as waiting; the next ``next_rendezvous`` brings it back. A few store
+        writes; nothing to do for a backend that keeps no liveness keys."""
+
 
 class PollWatch:
     """A round watch for a handler without one: asks ``num_nodes_waiting()`` every
@@ -207,6 +213,9 @@ class BasicRendezvous:
 
     def peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
         return False
+
+    def step_aside(self) -> None:
+        return None
 
 
 def as_agent_rendezvous(handler: RendezvousHandler | AgentRendezvous,

@@ -208,6 +208,19 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         finally:
             self._close_connections()
 
+    def step_aside(self) -> None:
+        """Leaves the current round and withdraws this node's liveness key (native: deleted;
+        etcd: its heartbeat stopped, whose session held it) until the next ``next_rendezvous``
+        (``_ensure_alive``): the others' next round forms without it, as after a loss."""
+        with self._guard():
+            self._leave_round()
+            heartbeat, self._heartbeat = self._heartbeat, None
+            if heartbeat is not None:
+                heartbeat.stop()
+            elif self._alive:
+                self._backend.delete(self._keys.alive(self._node))
+            self._alive = False
+
     def _close_connections(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None:
@@ -221,6 +234,11 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         expired lease (etcd: a partition that healed) the old one is gone and the node comes
         back with a new one. Written when the handler is made, so a round's decider sees it
         before the node joins (one event fewer per node in the join storm)."""
+        if self._backend.needs_heartbeat:  # back after step_aside(): a heartbeat of its own
+            self._heartbeat = Heartbeat(self._backend, self._keys, self._node, self._addr,
+                                        self._settings.lease_ttl / 3)
+            self._alive = True
+            return
         key = self._keys.alive(self._node)
         if not self._alive or self._backend.get(key) is None:
             self._backend.set(key, self._addr, ephemeral=True)
