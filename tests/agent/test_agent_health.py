@@ -177,7 +177,7 @@ def test_a_signal_during_the_check_kills_its_processes(
     pid = int(pidfile.read_text())
     assert not alive(pid), f"the check's process {pid} outlived the check"
     print(f"signal during the check -> returned, its process gone, in {took:.3f}s")
-    assert took < 2.0
+    assert took < 10.0  # the command would run 600 s
 
 
 # -- real agents ------------------------------------------------------------------------------
@@ -293,20 +293,26 @@ def _agent_alone(a: Any, port: int, *flags: str) -> subprocess.Popen[bytes]:
                    name="n1")
 
 
+def _sigterm(a: Any, proc: Any, when: str) -> float:
+    """SIGTERM to the agent; how long it took to exit (with 128 + SIGTERM)."""
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = a.wait(proc, 30)
+    took = time.monotonic() - sent
+    print(f"SIGTERM {when} -> agent exited in {took:.2f}s")
+    assert code == 128 + signal.SIGTERM, a.output(proc)
+    return took
+
+
 @pytest.mark.slow
 def test_sigterm_while_backing_off_exits_at_once(tmp_path: Any) -> None:
     port = free_port()
     with agents(str(tmp_path)) as a:
         n1 = _agent_alone(a, port, "--health-check-cmd", "false")
         until(lambda: "retrying in 5s" in a.output(n1), 60, "the failure line")
-        sent = time.monotonic()
-        n1.send_signal(signal.SIGTERM)
-        code = a.wait(n1, 30)
-        took = time.monotonic() - sent
-        print(f"SIGTERM during the back-off -> agent exited in {took:.2f}s")
-        assert code == 128 + signal.SIGTERM, a.output(n1)
+        took = _sigterm(a, n1, "during the back-off")
         assert "got SIGTERM while unhealthy: not joining" in a.output(n1)
-        assert took < 2.0
+        assert took < 4.0  # the back-off's first wait is 5 s: the signal did not wait for it
 
 
 @pytest.mark.slow
@@ -318,12 +324,7 @@ def test_sigterm_during_the_check_exits_at_once_and_kills_it(tmp_path: Any) -> N
         n1 = _agent_alone(a, port, "--health-check-cmd", hang)
         until(pidfile.exists, 60, "the check's command running")
         pid = int(pidfile.read_text())
-        sent = time.monotonic()
-        n1.send_signal(signal.SIGTERM)
-        code = a.wait(n1, 30)
-        took = time.monotonic() - sent
-        print(f"SIGTERM during the check -> agent exited in {took:.2f}s")
-        assert code == 128 + signal.SIGTERM, a.output(n1)
+        took = _sigterm(a, n1, "during the check")
         assert "got SIGTERM during the health check" in a.output(n1)
         assert not alive(pid), "the check's process outlived the agent"
-        assert took < 2.0
+        assert took < 10.0  # the check itself would run 600 s
