@@ -4,6 +4,7 @@
 
 Events: ``round_formed``, ``worker_started``, ``worker_exited``, ``restart`` (cause
 ``worker_failure``, ``node_lost`` or ``node_joined``), ``node_lost``, ``node_joined``, ``stop``,
+``hang`` (``hangs.py``), ``health_check`` (``health.py``), ``preload``,
 and ``torch`` (torch's own elastic events, with ``--event-log-handler``). Nothing here may fail the
 job: a write that fails is reported once and dropped.
 
