@@ -145,7 +145,7 @@ class EtcdTxnPart(EtcdStoreBase):
                 left = remaining(deadline)
                 if left is not None and left <= 0:
                     raise StoreTimeoutError(f"EtcdStore.{what}: key {self._name(key)!r} kept "
-                                            f"changing; gave up after {self.timeout}")
+                                            f"changing; reached its timeout after {self.timeout}")
 
     def _marker_lease(self, keeper: LeaseKeeper, deadline: float | None, what: str) -> int:
         """The lease for an operation's attempts, with this store's marker on it. The marker is
