@@ -33,9 +33,16 @@ elasticstore_store_client_call_seconds{backend,op}        histogram their latenc
 The store client's series are read at scrape time from
 :func:`elasticstore.client_call_stats` (every store of the agent's process: the rendezvous's and
 any other); an operation appears once it was called. The worker series cover this node's ranks
-and are refreshed every 5 s; ranks slower than the job's median, job-wide (what ``elasticstore
-status`` marks), in PromQL: ``elasticstore_worker_work_seconds > 1.5 * scalar(quantile(0.5,
-elasticstore_worker_work_seconds))``.
+and are refreshed every 5 s. There is no straggler series: ``elasticstore status`` marks a rank
+whose measure is at least 1.5x the median of the *other* ranks' and 5 ms longer
+(``ops/stragglers.py``), and PromQL has no median of the others. The simple query against the
+median of all ranks, ``elasticstore_worker_work_seconds > 1.5 * scalar(quantile(0.5,
+elasticstore_worker_work_seconds))``, is stricter than that rule (a slow rank raises the median it
+is compared with) and misses the two-rank case: the median of two ranks is their mean, so it
+flags a rank only when it is more than 3x as slow as its peer, where ``elasticstore status``
+marks 1.5x. For two ranks, compare with the other, ``elasticstore_worker_work_seconds > 1.5 *
+scalar(min(elasticstore_worker_work_seconds))``; for any size, ``elasticstore status`` is the
+reference.
 """
 
 from __future__ import annotations
