@@ -22,6 +22,12 @@ steps) where they have nothing newer: under torchrun a snapshot lives only as lo
 
     python benchmarks/goodput.py [--intervals 8,16] [--scenarios worker,worker-2x2,node-2x2]
         [--step-time 0.1] [--out benchmarks/results/goodput]
+    python benchmarks/goodput.py --render-only [--out benchmarks/results/goodput]
+
+``--render-only`` runs nothing: it writes ``<out>.md`` again from ``<out>.json``. A run that did not
+finish says what happened: its first node's agent still running at the limit ("not done in
+300 s"), or exited non-zero, with every agent's exit ("failed (exit 1 from both agents) at
+84.8 s").
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -104,6 +111,8 @@ class Run:
         log.close()
 
     def workers(self) -> list[psutil.Process]:
+        import psutil  # the bench extra; --render-only needs none of it
+
         found = []
         for agent in self.agents.values():
             try:
@@ -136,6 +145,8 @@ class Run:
 
 def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str, Any]]) -> None:
     """Every ``interval`` s: a worker (the ranks in turn) or the second node, until ``stop``."""
+    import psutil
+
     n = 0
     while not stop.wait(interval):
         t = time.time()
@@ -196,9 +207,9 @@ def run_job(launcher: str, scenario: str, step_time: float,
                 proc.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        codes = [p.poll() for p in run.agents.values()]
+        codes = [p.poll() for p in run.agents.values()]  # the first node's first; None: running
         result.update(seconds=elapsed, failures=len(failures), codes=codes,
-                      done=first.poll() == 0)
+                      done=first.poll() == 0, limit=LIMIT)
         summary = os.path.join(run.workdir, "summary.json")
         if os.path.exists(summary):
             with open(summary) as f:
@@ -217,7 +228,16 @@ def main() -> None:
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--step-time", type=float, default=0.1, help="the example's --step-time")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "goodput"))
+    p.add_argument("--render-only", action="store_true",
+                   help="run nothing: write <out>.md again from <out>.json")
     args = p.parse_args()
+    if args.render_only:
+        with open(args.out + ".json") as f:
+            table = render(json.load(f)["rows"])
+        with open(args.out + ".md", "w") as f:
+            f.write(table)
+        print(table, end="")
+        return
     intervals = [float(x) for x in args.intervals.split(",")]
     rows = []
     for scenario in args.scenarios.split(","):
@@ -244,14 +264,44 @@ def main() -> None:
     plot(rows, args.out + ".png")
 
 
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+def outcome(r: dict[str, Any]) -> tuple[str, str]:
+    """The interrupted run's time, or what became of it, and the goodput cell when there is
+    none: from what ``run_job`` recorded (``done``, ``seconds``, ``codes``: the first node's
+    agent first, None for one still running when the job was given up)."""
+    if r.get("done"):  # no goodput: the uninterrupted run did not finish
+        return f"{r['seconds']:.1f} s", "— (uninterrupted run not done)"
+    codes = r.get("codes") or [None]
+    if codes[0] is None:  # the first node's agent was still running at the limit
+        return f"not done in {r.get('limit', LIMIT):g} s", "— (not done)"
+    exits = [_exit(c) for c in codes]
+    if len(exits) == 1:
+        what = exits[0]
+    elif len(set(exits)) == 1:
+        what = f"{exits[0]} from {'both agents' if len(exits) == 2 else 'every agent'}"
+    else:
+        what = ", ".join(exits)
+    return f"failed ({what}) at {r['seconds']:.1f} s", "— (failed)"
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     lines = ["| scenario | failure every | launcher | failures | uninterrupted | interrupted "
              "| goodput | final weights |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        gp = f"**{r['goodput']:.2f}**" if r.get("goodput") is not None else "— (not done)"
+        took, none = outcome(r)
+        gp = f"**{r['goodput']:.2f}**" if r.get("goodput") is not None else none
         same = {True: "identical", False: "differ", None: "n/a (world size changed)"}[
             r.get("same_weights")] if r.get("done") else "—"
-        took = f"{r['seconds']:.1f} s" if r.get("done") else f"not done in {LIMIT:g} s"
         lines.append(f"| {r['scenario']} | {r['interval']:g} s | {r['launcher']} | "
                      f"{r.get('failures', 0)} | {r['baseline_seconds']:.1f} s | {took} | {gp} | "
                      f"{same} |")
