@@ -11,7 +11,8 @@ process with torch imported, and with the third-party packages the previous roun
 imported unless ``--no-preload-imports``; ``spawn`` starts plain processes). Flags not supported
 yet are refused by name. A bad value exits with code 2 and one line naming the flag and the reason;
 ``--rdzv-conf`` is parsed into the rendezvous settings here too (a bad key or value names the
-key), before the banner and before anything starts. Backend names: ``rendezvous/registry.py``.
+key), before the banner and before anything starts. The flags themselves (spellings, defaults,
+``PET_*``): ``runflags.py``; backend names: ``rendezvous/registry.py``.
 """
 
 from __future__ import annotations
@@ -28,107 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._conf import parse_pairs
-from .agent.config import FIRST_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, AgentSettings, parse_timeout
-from .agent.healthflags import add_flags as add_health_flags, health_settings
+from .agent.config import AgentSettings, parse_timeout
+from .agent.healthflags import health_settings
 from .agent.logs import parse_std
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError
+from .runflags import UsageError, parser
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
 
 # Every --rdzv-backend name -> the backend's short name (its label in the registry).
 BACKENDS = {name: registry.backend(name).label for name in registry.names()}
-UNSUPPORTED = ("--logs-specs", "--numa-binding", "--virtual-local-rank",
-               "--duplicate-stdout-filters", "--duplicate-stderr-filters")
-
-
-class UsageError(ValueError):
-    """A bad flag value: ``flag`` names it."""
-
-    def __init__(self, flag: str, reason: str) -> None:
-        super().__init__(f"{flag}: {reason}")
-
-
-def _env_name(option_strings: Sequence[str]) -> str:
-    longest = max(option_strings, key=len)
-    return "PET_" + longest.lstrip("-").replace("-", "_").upper()
-
-
-class _Env(argparse.Action):
-    """A value flag whose default comes from ``PET_<FLAG>`` (torch's ``env`` action)."""
-
-    environ: Mapping[str, str] = os.environ
-
-    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None,
-                 **kwargs: Any) -> None:
-        env = _Env.environ.get(_env_name(option_strings))
-        super().__init__(option_strings, dest, default=env if env is not None else default, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-
-
-class _CheckEnv(argparse.Action):
-    """A switch, also on when ``PET_<FLAG>`` is 1 (torch's ``check_env``)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        on = _Env.environ.get(_env_name(option_strings), "0") == "1"
-        super().__init__(option_strings, dest, nargs=0, default=on, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, True)
-
-
-class _Refused(argparse.Action):
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", default=None, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        raise UsageError(str(option_string), "not supported by elasticstore-run (yet)")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, exit code 2
-        raise UsageError("elasticstore-run", message)
-
-
-def _names(flag: str) -> list[str]:
-    under = flag.replace("-", "_")
-    return [flag, "--" + under[2:]] if under[2:] != flag[2:] else [flag]
-
-
-def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-run") -> argparse.ArgumentParser:
-    _Env.environ = environ
-    p = _Parser(prog=prog, description="Elastic launcher for PyTorch, a drop-in for torchrun.",
-                allow_abbrev=True)  # torchrun's parser takes abbreviated long flags too
-    value = {
-        "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
-        "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
-        "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
-        "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
-        "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
-        "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
-        "--event-log-handler": "null", "--metrics-port": None, "--metrics-addr": "127.0.0.1",
-        "--heartbeat-timeout": str(HEARTBEAT_TIMEOUT), "--first-heartbeat-timeout": str(FIRST_HEARTBEAT_TIMEOUT),
-    }
-    for flag, default in value.items():
-        p.add_argument(*_names(flag), action=_Env, default=default)
-    p.add_argument("-r", "--redirects", action=_Env, default="0")
-    p.add_argument("-t", "--tee", action=_Env, default="0")
-    p.add_argument("--standalone", action=_CheckEnv)
-    p.add_argument("-m", "--module", action=_CheckEnv)
-    p.add_argument(*_names("--no-python"), action=_CheckEnv)
-    p.add_argument(*_names("--run-path"), action=_CheckEnv)
-    p.add_argument(*_names("--no-preload-imports"), action=_CheckEnv)
-    add_health_flags(p, _names, _Env, _CheckEnv)  # --health-check* (agent/healthflags.py)
-    for flag in UNSUPPORTED:
-        p.add_argument(*_names(flag), action=_Refused)
-    p.add_argument("training_script")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    return p
 
 
 @dataclass(frozen=True)
@@ -247,10 +158,7 @@ def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
           legacy: bool = False) -> RunSettings:
     """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
-    p = parser(environ)
-    if legacy:
-        p.add_argument(*_names("--use-env"), action=_CheckEnv)
-    args = p.parse_args(list(argv))
+    args = parser(environ, legacy=legacy).parse_args(list(argv))
     notices: list[str] = []
     min_nodes, max_nodes = _nnodes(args.nnodes)
     backend_arg = _default_backend(args, min_nodes, max_nodes)

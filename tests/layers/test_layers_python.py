@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "python" / "elasticstore"
 STORES = PACKAGE / "stores"
 # The layers above the stores: a module under stores/ imports none of them.
 UPPER = ("rendezvous", "agent", "ops", "train", "run", "launch", "cli", "init_method")
-MAX_LINES = 450
+MAX_LINES = 400
 # Modules allowed over MAX_LINES, each with the reason. None today.
 LONG_MODULES: dict[str, str] = {}
 
@@ -129,11 +129,11 @@ def test_module_size(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     if name in LONG_MODULES:
         return
-    assert lines < MAX_LINES, f"{name}: {lines} lines (split it by job, or list it with a reason)"
+    assert lines <= MAX_LINES, f"{name}: {lines} lines (split it by job, or list it with a reason)"
 
 
 def test_listed_long_modules_still_exist_and_are_long() -> None:
     for name in LONG_MODULES:
         path = PACKAGE / name
         assert path.exists(), f"{name} is listed as long but does not exist"
-        assert len(path.read_text().splitlines()) >= MAX_LINES, f"{name} is no longer long"
+        assert len(path.read_text().splitlines()) > MAX_LINES, f"{name} is no longer long"

@@ -1,5 +1,6 @@
-"""The health check's flags of ``elasticstore-run`` (``run.py`` registers and parses them here),
-each with its ``PET_<FLAG>`` fallback and both spellings, as every other flag:
+"""The health check's flags of ``elasticstore-run`` (``runflags.py`` registers them, ``run.py``
+parses them, both with the functions here), each with its ``PET_<FLAG>`` fallback and both
+spellings, as every other flag:
 
 - ``--health-check`` (``PET_HEALTH_CHECK=1``): check the node before it joins (the default
   check: ``healthcheck.py``; when and how: ``health.py``);
@@ -28,7 +29,7 @@ VALUE_FLAGS = ("--health-check-cmd", "--health-check-timeout", "--health-check-m
 
 def add_flags(p: argparse.ArgumentParser, names: Callable[[str], list[str]],
               value: type[argparse.Action], switch: type[argparse.Action]) -> None:
-    """Registers the flags on ``p`` with run.py's spellings (``names``) and actions."""
+    """Registers the flags on ``p`` with runflags.py's spellings (``names``) and actions."""
     p.add_argument(*names("--health-check"), action=switch)
     for flag in VALUE_FLAGS:
         p.add_argument(*names(flag), action=value, default=None)
