@@ -28,12 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._conf import parse_pairs
 from .agent.config import AgentSettings, parse_timeout
 from .agent.healthflags import health_settings
 from .agent.logs import parse_std
 from .rendezvous import registry
-from .rendezvous.settings import RendezvousSettings, SettingsError
+from .rendezvous.settings import RendezvousSettings, SettingsError, parse_pairs
 from .runflags import UsageError, parser
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]

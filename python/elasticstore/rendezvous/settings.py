@@ -25,6 +25,7 @@ timeout              (ignored) torchrun always adds it (900); ``join_timeout`` i
 An unknown key or a bad value raises :class:`SettingsError` (a ``ValueError``) naming the key
 and the reason, and in ``flag`` the launcher's flag it came from. Quotes left in
 by a shell or torch's parser (``'join_timeout=5,timeout=5'``, ``key="value"``) are dropped.
+``parse_pairs`` splits the flag's text, ``key=value,...``, for the launcher.
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .._conf import unquote_config
 from ..stores.native.token import read_token_file
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host", "parse_endpoint",
-           "settings_from_params"]
+           "parse_pairs", "settings_from_params", "unquote_config"]
 
 DEFAULT_PORT = 29400
 
@@ -51,6 +51,7 @@ _FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
 _STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
 _KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout", "token_file"}
+_QUOTES = ("'", '"')
 
 
 class SettingsError(ValueError):
@@ -60,6 +61,37 @@ class SettingsError(ValueError):
     def __init__(self, message: str, flag: str = "--rdzv-conf") -> None:
         super().__init__(message)
         self.flag = flag
+
+
+def _unwrap(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in _QUOTES:
+        return text[1:-1].strip()
+    return text
+
+
+def unquote_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as torch's parser split it, without the quotes: a quote opening the first key
+    and closing the last value wrapped the whole string; a value may be quoted on its own."""
+    items = [(str(k).strip(), v.strip() if isinstance(v, str) else v) for k, v in config.items()]
+    if items and isinstance(items[-1][1], str):
+        first, last = items[0][0], items[-1][1]
+        if first[:1] in _QUOTES and last.endswith(first[0]):
+            items[0] = (first[1:].strip(), items[0][1])
+            items[-1] = (items[-1][0], items[-1][1][:-1].strip())
+    return {_unwrap(k): _unwrap(v) if isinstance(v, str) else v for k, v in items}
+
+
+def parse_pairs(text: str) -> tuple[tuple[str, str], ...]:
+    """``--rdzv-conf`` as given, ``key=value,...`` (quotes dropped as ``unquote_config`` does) ->
+    pairs; ``ValueError`` naming an item that is not ``key=value``."""
+    pairs: list[tuple[str, str]] = []
+    for item in filter(None, (i.strip() for i in _unwrap(str(text)).split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not _unwrap(key):
+            raise ValueError(f"{item!r} is not key=value")
+        pairs.append((key, val))
+    return tuple(unquote_config(dict(pairs)).items())
 
 
 def numeric_host(host: str) -> str:
