@@ -1,6 +1,8 @@
 """The layering of the Python package, checked on its source (ast, no imports, no processes):
 the stores (``elasticstore/stores/``) are a layer with a public API, imported by the layers above
-and importing none of them, and every module stays small."""
+and importing none of them; no layer imports one it must not (``docs/architecture.md``, "The
+rules"); the agent takes from the rendezvous, past its Protocol, and from ``train/`` only data;
+and every module stays small."""
 
 from __future__ import annotations
 
@@ -12,8 +14,31 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "elasticstore"
 STORES = PACKAGE / "stores"
-# The layers above the stores: a module under stores/ imports none of them.
-UPPER = ("rendezvous", "agent", "ops", "train", "run", "launch", "cli", "init_method")
+# The commands: nothing imports them but their entry points (and __init__.py, init_method's
+# scheme; launch.py runs run.py, which parses runflags.py's flags).
+COMMANDS = ("run", "runflags", "launch", "cli", "init_method")
+# The old top-level paths, kept for users' imports: the package itself imports the current ones.
+OLD_PATHS = ("store", "etcd_store", "server", "server_limits", "prefix_store", "call_stats", "_conf")
+# What each layer (a package under elasticstore/) must not import, by its first name under
+# elasticstore. errors.py and _C are every layer's.
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "stores": ("rendezvous", "agent", "ops", "train", *COMMANDS),
+    "rendezvous": ("agent", "ops", "train", *COMMANDS),
+    "agent": ("ops", *COMMANDS),
+    "ops": ("agent", *COMMANDS),
+    "train": ("stores", "rendezvous", "agent", "ops", *COMMANDS),
+}
+# What the agent may import from the rendezvous and from train/, and nothing else of them: the
+# Protocol (api), and data: the round store's key names (state.AgentKeys), the bounded record
+# parsers (records), the finished-run marker (closing.FINISHED), and the heartbeat board's layout
+# that the workers' heartbeats write (train/heartbeat_layout).
+AGENT_TAKES: dict[str, set[str] | None] = {
+    "elasticstore.rendezvous.api": None,  # any name: the Protocol and its types
+    "elasticstore.rendezvous.state": {"AgentKeys"},
+    "elasticstore.rendezvous.records": None,  # any name: parsing only
+    "elasticstore.rendezvous.closing": {"FINISHED"},
+    "elasticstore.train.heartbeat_layout": None,  # any name: the layout, standard library only
+}
 MAX_LINES = 400
 # Modules allowed over MAX_LINES, each with the reason. None today.
 LONG_MODULES: dict[str, str] = {}
@@ -47,6 +72,24 @@ def _imports(path: Path) -> Iterator[tuple[int, str, list[str]]]:
                 base = base[: len(base) - (node.level - 1)]
                 module = ".".join([*base, module] if module else base)
             yield node.lineno, module, [alias.name for alias in node.names]
+
+
+def _targets(module: str, names: list[str]) -> Iterator[str]:
+    """The modules of the package an import names: ``from elasticstore import x`` names
+    ``elasticstore.x``; ``from elasticstore.rendezvous import registry`` the submodule, and
+    ``from elasticstore.rendezvous import RoundState`` the package (its ``__init__``)."""
+    if module == "elasticstore":
+        yield from (f"{module}.{n}" for n in names)
+    elif module.startswith("elasticstore."):
+        base = PACKAGE.parent.joinpath(*module.split("."))
+        subs = [n for n in names if (base / n).is_dir() or (base / f"{n}.py").is_file()]
+        yield from (f"{module}.{n}" for n in subs)
+        if not names or len(subs) < len(names):
+            yield module
+
+
+def _layer_of(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
 def _private(name: str) -> bool:
@@ -113,14 +156,67 @@ def test_nothing_outside_the_stores_calls_their_private_methods() -> None:
     assert not bad, "private methods of the stores used from outside them:\n" + "\n".join(bad)
 
 
-def test_the_stores_import_no_layer_above_them() -> None:
+def test_the_scan_sees_imports_of_submodules() -> None:
+    assert set(_targets("elasticstore", ["_C", "errors"])) == {"elasticstore._C",
+                                                               "elasticstore.errors"}
+    assert set(_targets("elasticstore.rendezvous", ["registry"])) == {
+        "elasticstore.rendezvous.registry"}
+    assert set(_targets("elasticstore.rendezvous", ["ElasticRendezvousHandler"])) == {
+        "elasticstore.rendezvous"}
+    assert list(_targets("torch.distributed", ["Store"])) == []
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_no_layer_imports_one_it_must_not(layer: str) -> None:
+    """The stores import no layer above them; the rendezvous neither the agent, ops nor train/;
+    the agent not ops; ops not the agent; train/ none of the stores, the rendezvous, the agent or
+    ops; and none of them a command."""
+    assert (PACKAGE / layer).is_dir()
     bad = []
-    for path in STORES.rglob("*.py"):
-        for line, module, _ in _imports(path):
-            parts = module.split(".")
-            if parts[0] == "elasticstore" and len(parts) > 1 and parts[1] in UPPER:
-                bad.append(f"{path.relative_to(PACKAGE)}:{line}: {module}")
-    assert not bad, "upward imports from elasticstore.stores:\n" + "\n".join(bad)
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for line, module, names in _imports(path):
+            for target in _targets(module, names):
+                parts = target.split(".")
+                if len(parts) > 1 and parts[1] in FORBIDDEN[layer]:
+                    bad.append(f"{path.relative_to(PACKAGE)}:{line}: {target}")
+    assert not bad, f"imports from elasticstore.{layer} that the layering forbids:\n" + \
+        "\n".join(bad)
+
+
+def test_nothing_imports_a_command_or_an_old_path() -> None:
+    """Nothing imports a command but another command and ``__init__.py`` (the scheme of
+    ``init_method.py``); nothing in the package imports an old path."""
+    bad = []
+    for path in _modules():
+        for line, module, names in _imports(path):
+            for target in _targets(module, names):
+                name = target.split(".")[1]
+                command = name in COMMANDS and _layer_of(path) not in COMMANDS and not (
+                    path == PACKAGE / "__init__.py" and name == "init_method")
+                if command or name in OLD_PATHS:
+                    bad.append(f"{path.relative_to(PACKAGE)}:{line}: {target}")
+    assert not bad, "commands imported from below them, or old paths imported:\n" + "\n".join(bad)
+    assert all((PACKAGE / f"{name}.py").is_file() for name in (*COMMANDS, *OLD_PATHS))
+
+
+def test_the_agent_takes_only_data_from_the_rendezvous_and_train() -> None:
+    """Past the Protocol (``rendezvous/api.py``), the agent imports from the rendezvous only key
+    names, record parsing and a constant, and from train/ only the heartbeat board's layout."""
+    bad = []
+    for path in sorted((PACKAGE / "agent").rglob("*.py")):
+        for line, module, names in _imports(path):
+            for target in _targets(module, names):
+                if target.split(".")[1] not in ("rendezvous", "train"):
+                    continue
+                allowed = AGENT_TAKES.get(target, set())
+                extra = sorted(set(names) - allowed) if allowed is not None else []
+                if target not in AGENT_TAKES or extra:
+                    bad.append(f"{path.relative_to(PACKAGE)}:{line}: {target} {extra or names}")
+    assert not bad, "the agent imports more than the Protocol and data from rendezvous/train:\n" + \
+        "\n".join(bad)
+    found = {t for p in (PACKAGE / "agent").rglob("*.py") for _, m, n in _imports(p)
+             for t in _targets(m, n)}
+    assert set(AGENT_TAKES) <= found, f"listed but not imported: {set(AGENT_TAKES) - found}"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
