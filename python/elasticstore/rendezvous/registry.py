@@ -7,7 +7,10 @@ lists them as torch needs, and a test checks they match), ``elasticstore status/
 --rdzv-backend`` (``cli.py``, ``ops/``). A new backend is its module plus one row here (and its
 entry point line in ``pyproject.toml``).
 
-Torch-free: handlers, stores and their modules are imported when a row is used, by name.
+Handlers, stores and their modules are imported by name when a row is used: reading the table
+imports no backend module (``native``, ``etcd``, ``static``) and no etcd client. It is not
+torch-free: ``import elasticstore`` imports ``torch.distributed`` (``Store`` subclasses its
+``Store``), and the ``elasticstore.rendezvous`` package imports the handler.
 """
 
 from __future__ import annotations
