@@ -47,7 +47,7 @@ from .failures import Failure, failure_of, summary
 from .forkclient import ForkServer, settle_preloads
 from .hangs import Hang, HangWatch
 from .logs import open_rank_log, rank_relay, say
-from .rounds import RendezvousCall, assign
+from .rounds import RendezvousCall, assign, say_moves
 from .roundwatch import RoundWatcher
 from .snapshots import SnapshotArea
 from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
@@ -77,9 +77,8 @@ class Agent:
         # Per-rank files: under --log-dir, else (as torchrun's) under the temporary directory for -r/-t.
         redirected = any(settings.redirects.values()) or any(settings.tee.values())
         self._log_root = settings.log_dir or (self._tmp if redirected else None)
-        self._failures_used = 0
-        self._local_attempts = 0
-        self._rounds = 0
+        self._failures_used = self._local_attempts = self._rounds = 0
+        self._moves_seen = 0  # the handler's store_moves said already
         self._failures: list[Failure] = []
         self._shut = False
         self._operator_stopped = False
@@ -153,6 +152,7 @@ class Agent:
             if isinstance(info, int):
                 return 128 + info
             self._rounds += 1
+            self._moves_seen = say_moves(self.handler, self.events, self._moves_seen)
             attempt, base, world = self._assign(info)
             t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)

@@ -20,7 +20,7 @@ from ..rendezvous.state import AgentKeys
 from .forkclient import ForkServer
 from .logs import say
 
-__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign"]
+__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "say_moves"]
 
 ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the round's store
 
@@ -98,3 +98,15 @@ def assign(info: RendezvousInfo, attempt: int, nproc: int) -> tuple[int, int]:
     store.wait(names, timedelta(seconds=ASSIGN_TIMEOUT))
     counts = [_nproc_of(v, node) for node, v in enumerate(store.multi_get(names))]
     return sum(counts[: info.rank]), sum(counts)
+
+
+def say_moves(handler: AgentRendezvous, events: Any, seen: int) -> int:
+    """Says and records (``store_moved`` event) the switches of the rendezvous store's host
+    after the first ``seen``; returns how many there are now."""
+    moves = handler.store_moves
+    for move in moves[seen:]:
+        say(f"[elasticstore-run] the rendezvous store moved from {move.previous} to "
+            f"{move.endpoint} (epoch {move.epoch})")
+        events.emit("store_moved", previous=move.previous, endpoint=move.endpoint,
+                    epoch=move.epoch, node=move.node, since=move.since)
+    return len(moves)

@@ -9,11 +9,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from torch.distributed.elastic.rendezvous import RendezvousInfo
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousInfo
 
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
-from .closing import FINISHED, RoundWatch, closed_reason_of, wait_alone
+from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
+from .failover import Carried, HostRecord
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
 from .worker_store import peer_finished
@@ -32,13 +33,27 @@ class AgentSide:
     _round: RoundState | None
     _worker_server: StoreServer | None
     _stop_seen: str | None
+    _carried: Carried
+    _moves: list[HostRecord]
 
     def _guard(self) -> AbstractContextManager[None]:
         raise NotImplementedError
 
     @property
+    def _fails_over(self) -> bool:
+        raise NotImplementedError
+
+    def _may_fail_over(self, exc: BaseException) -> bool:
+        raise NotImplementedError
+
+    @property
     def round(self) -> RoundState | None:
         return self._round
+
+    @property
+    def store_moves(self) -> tuple[HostRecord, ...]:
+        """The switches of the rendezvous store's host this node made (``failover.py``)."""
+        return tuple(self._moves)
 
     def set_finished(self) -> None:
         """Closes the run as finished (this node's workers succeeded) unless it is closed: its
@@ -62,20 +77,28 @@ class AgentSide:
     def publish_status(self, status: dict[str, object], failure: dict[str, object] | None = None) -> None:
         """Writes this node's status (JSON) for ``elasticstore status``, and the job's last
         failure when given. Outside the decider's prefix: no events for it."""
+        if failure is not None:  # kept: a new store host is seeded with the last failure
+            self._carried.failure = json.dumps(dict(failure, node=self._node)).encode()
         with self._guard():
             data = dict(status, node=self._node, addr=self._addr, updated=time.time())
             self._backend.set(self._keys.status_nodes + self._node, json.dumps(data))
             if failure is not None:
-                self._backend.set(self._keys.failure, json.dumps(dict(failure, node=self._node)))
+                self._backend.set(self._keys.failure, self._carried.failure or b"")
 
-    def watch_round(self) -> RoundWatch | None:
+    def watch_round(self) -> RoundWatch | EndedWatch | None:
         """A watch on the current round's end (what ``num_nodes_waiting()`` reports), on a
         connection of its own; None outside a round."""
         rnd = self._round
         if rnd is None:
             return None
-        with self._guard():
-            return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round), self._saw_stop)
+        try:
+            with self._guard():
+                return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round),
+                                  self._saw_stop, lost_ends_round=self._fails_over)
+        except RendezvousConnectionError as exc:
+            if self._may_fail_over(exc):
+                return EndedWatch()  # the store's host is lost: the round is over
+            raise
 
     def end_round(self, reason: str) -> None:
         """Tells every participant at once that the current round is over (e.g. a worker

@@ -14,12 +14,13 @@ Errors: a lost rendezvous store is ``RendezvousConnectionError``; a closed rende
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 if TYPE_CHECKING:
+    from .failover import HostRecord
     from .state import RoundState
 
 __all__ = ["AgentRendezvous", "BasicRendezvous", "PollWatch", "RoundWatchLike",
@@ -84,6 +85,11 @@ class AgentRendezvous(Protocol):
     def hosts_store(self) -> bool:
         """Whether this node hosts a store others use (the rendezvous server or the current
         round's store): it must serve until the others are done. No I/O."""
+
+    @property
+    def store_moves(self) -> Sequence[HostRecord]:
+        """The switches of the rendezvous store's host this node made (``failover.py``), oldest
+        first; empty for a backend without failover. No I/O."""
 
     def end_round(self, reason: str) -> None:
         """Tells every participant at once that the current round is over (a worker failed
@@ -190,6 +196,10 @@ class BasicRendezvous:
     @property
     def hosts_store(self) -> bool:
         return self._rank == 0
+
+    @property
+    def store_moves(self) -> Sequence[HostRecord]:
+        return ()
 
     def end_round(self, reason: str) -> None:
         return None

@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import WatchCompactedError
+from ..errors import StoreNetworkError, WatchCompactedError
 from . import registry
 from .backend import StoreBackend
 from .records import parse_json
 
-__all__ = ["FINISHED", "WAIT_SLICE", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
+__all__ = ["FINISHED", "WAIT_SLICE", "EndedWatch", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
            "stop_reason_of", "wait_alone"]
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
@@ -57,8 +57,9 @@ class RoundWatch:
     ``on_stop(reason)`` is told when the restart record says the run was closed."""
 
     def __init__(self, backend: StoreBackend, key: str,
-                 on_stop: Callable[[str], None] | None = None) -> None:
+                 on_stop: Callable[[str], None] | None = None, lost_ends_round: bool = False) -> None:
         self._b, self._key, self._on_stop = backend, key, on_stop
+        self._lost_ends_round = lost_ends_round  # a lost store ends the round (failover.py)
 
     def _seen(self, value: bytes | None) -> bool:
         reason = stop_reason_of(value)
@@ -85,12 +86,26 @@ class RoundWatch:
         except WatchCompactedError:
             value = self._b.get(self._key)
             return value is not None and self._seen(value)
+        except StoreNetworkError:
+            if self._lost_ends_round:
+                return True
+            raise
 
     def close(self) -> None:
         try:
             self._b.close()
         except Exception:
             pass
+
+
+class EndedWatch:
+    """A round watch whose round is over already (its store's host was lost)."""
+
+    def wait(self, timeout: float) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
 
 
 def wait_alone(backend: StoreBackend, alive_prefix: str, me: str, timeout: float,

@@ -29,6 +29,12 @@ class View:
     restart_signalled: bool  # ``ctl/restart/{target-1}`` exists
     min_since: float | None  # when ``joined`` last reached ``min_nodes`` (None: below it)
     now: float
+    # After a switch of store host (``failover.py``): nodes of ``prev`` waited for though not
+    # live here yet, until ``expect_until``; and how many of ``prev``'s participants the round
+    # needs (a new host: a strict majority; any agent-hosted store: at least half).
+    expect: frozenset[str] = frozenset()
+    expect_until: float | None = None
+    quorum: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,11 @@ def decide(view: View, min_nodes: int, max_nodes: int, last_call: float) -> Acti
     if missing or count < min_nodes or view.min_since is None:
         # Live participants of the previous round were told to come back: wait for them (a
         # dead one's liveness key vanishes and it stops being expected; join_timeout bounds it).
+        return Wait(None)
+    if view.expect - view.joined and view.expect_until is not None and view.now < view.expect_until:
+        return Wait(view.expect_until)  # survivors still switching to a new store host
+    if prev is not None and len(view.joined & set(prev.participants)) < view.quorum:
+        # Too few of the previous round: the others may be the larger side of a partition.
         return Wait(None)
     if prev is not None and _back_at_once(view, prev, max_nodes):
         return _complete(view, prev, max_nodes)

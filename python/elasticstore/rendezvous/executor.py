@@ -19,7 +19,7 @@ from typing import NoReturn
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ..errors import WatchCompactedError
-from . import decisions
+from . import decisions, failover
 from .backend import StoreBackend
 from .settings import RendezvousSettings
 from .state import Keys, RoundState
@@ -71,6 +71,7 @@ class Decider:
         alive = _names(b.list(k.alive_prefix))
         joined = _names(b.list(k.join_prefix(target)))
         restart = b.get(k.restart(target - 1)) is not None if prev else False
+        expect, expect_until, quorum = self._quorum(prev)
         min_since: float | None = None
         join_prefix, restart_key = k.join_prefix(target), k.restart(target - 1)
         while True:
@@ -79,7 +80,8 @@ class Decider:
                 self._on_deadline()
             min_since = decisions.update_min_since(min_since, len(joined), s.min_nodes, now)
             view = decisions.View(
-                target, prev, frozenset(alive), frozenset(joined), restart, min_since, now
+                target, prev, frozenset(alive), frozenset(joined), restart, min_since, now,
+                expect, expect_until, quorum,
             )
             action = decisions.decide(view, s.min_nodes, s.max_nodes, s.last_call_timeout)
             if isinstance(action, decisions.Complete):
@@ -112,6 +114,19 @@ class Decider:
                 raise RendezvousClosedError(f"rendezvous {s.run_id!r} closed")
             elif event.key == k.round and event.kind == "set":
                 return None
+
+    def _quorum(self, prev: RoundState | None) -> tuple[frozenset[str], float | None, int]:
+        """(nodes waited for though not live yet, until when, the quorum of ``prev``): on an
+        agent-hosted native store (a host record), see ``failover.py``; else nothing."""
+        if prev is None or not self._s.failover or self._b.name != "elasticstore":
+            return frozenset(), None, 0
+        if failover.HostRecord.from_json(self._b.get(self._k.host)) is None:
+            return frozenset(), None, 0
+        record = failover.FailoverRecord.from_json(self._b.get(self._k.failover))
+        if record is not None and record.round == prev.round:  # the first round on a new host
+            until = time.monotonic() + failover.FAILOVER_WAIT
+            return frozenset(record.expect), until, max(record.quorum, failover.fence_quorum(prev))
+        return frozenset(), None, failover.fence_quorum(prev)
 
     def _clean(self, target: int) -> None:
         """Drops the signals of round ``target - 2`` (nobody reads them any more)."""

@@ -39,6 +39,8 @@ from .agent_side import AgentSide
 from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
+from .failover import Carried, HostRecord, endpoint_of
+from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
@@ -70,18 +72,36 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._stop_seen: str | None = None  # the run's closing reason, once a watch saw it
         self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
         self._shut = False  # shutdown() was called: a join in progress gives up
+        self._carried = Carried()  # what this node would seed a new store host with
+        self._moves: list[HostRecord] = []  # the switches of store host this node made
         with self._guard():
-            if backend.needs_heartbeat:
-                # The liveness key is bound to the heartbeat's own connection and refreshed
-                # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
-                self._heartbeat = Heartbeat(backend, self._keys, self._node, self._addr,
-                                            settings.lease_ttl / 3)
-                self._alive = True
-            else:
-                self._ensure_alive()
-            # Connected now, not in the join storm: a round's participants then only connect
-            # to the round's worker store.
-            self._spare = backend.clone()
+            self._attach(backend)
+            if self._fails_over and backend.server is not None:  # the first host: epoch 1
+                backend.create(self._keys.host, HostRecord(1, self._node, endpoint_of(
+                    settings.address, settings.port), None, time.time()).to_json())
+
+    def _attach(self, backend: StoreBackend) -> None:
+        """Uses ``backend``: this node's liveness key, the next ring watcher's connection."""
+        self._backend = backend
+        if backend.needs_heartbeat:
+            # The liveness key is bound to the heartbeat's own connection and refreshed
+            # every lease_ttl/3: a node silent for lease_ttl is timed out by its watcher.
+            self._heartbeat = Heartbeat(backend, self._keys, self._node, self._addr,
+                                        self._settings.lease_ttl / 3)
+            self._alive = True
+        else:
+            self._ensure_alive()
+        self._spare = backend.clone()
+
+    @property
+    def _fails_over(self) -> bool:  # a survivor takes over a lost host's store (failover.py)
+        return self._settings.failover and self._backend.name == "elasticstore"
+
+    def _may_fail_over(self, exc: BaseException) -> bool:
+        """``exc`` lost an agent-hosted store (a host record was read) hosted elsewhere."""
+        c = self._carried
+        return (self._fails_over and not self._shut and self._backend.server is None
+                and None not in (c.host, c.round) and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -120,6 +140,16 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             "joining") from error
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        for _ in range(64):  # a pass per switch of store host
+            try:
+                return self._join_next()
+            except RendezvousConnectionError as exc:
+                if not self._may_fail_over(exc):
+                    raise
+                take_over(self, exc)
+        raise RendezvousConnectionError("rendezvous: the store's host kept being lost")
+
+    def _join_next(self) -> RendezvousInfo:
         start = time.monotonic()
         deadline = start + self._settings.join_timeout
         with self._guard():
@@ -177,8 +207,13 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         rnd = self._round
         if rnd is None:
             return 0
-        with self._guard():
-            return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
+        try:
+            with self._guard():
+                return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
+        except RendezvousConnectionError as exc:
+            if self._may_fail_over(exc):
+                return 1  # the store's host is lost: a new round on the next host
+            raise
 
     def shutdown(self) -> bool:
         """Withdraws this node only (its keys go; the rendezvous stays open for the others).
@@ -321,6 +356,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         """Publishes (rank 0) or finds the round's worker store; starts watching the successor."""
         keys, backend = self._keys, self._backend
         self._round = state
+        if self._fails_over:
+            self._carried.refresh(backend.store, keys, state)
         if state.world_size > 1:
             successor = state.participants[(rank + 1) % state.world_size]
             spare, self._spare = self._spare, None

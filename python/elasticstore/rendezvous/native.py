@@ -22,12 +22,15 @@ from .settings import RendezvousSettings
 if TYPE_CHECKING:
     from .handler import ElasticRendezvousHandler
 
-__all__ = ["NativeBackend", "create_native_backend", "native_handler"]
+__all__ = ["NativeBackend", "connect_native_backend", "create_native_backend", "native_handler"]
 
 log = logging.getLogger(__name__)
 
 _PROBE = timedelta(seconds=0.5)
 RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost server
+# The same where a survivor takes over a lost host's store (rdzv-conf failover, the default):
+# a server that is gone is taken for lost sooner, since the job goes on without it.
+FAILOVER_RECONNECT = timedelta(seconds=1)
 
 
 class NativeBackend(StoreBackend[Store]):
@@ -75,11 +78,37 @@ def _should_host(settings: RendezvousSettings) -> bool:
         return False
 
 
+def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
+                           server: StoreServer | None = None,
+                           first_wait: float | None = None) -> NativeBackend:
+    """A backend on the server at ``host:port``. The first connection may wait ``first_wait``
+    seconds (default ``store_timeout``: for the host agent to start); once in, a lost server is
+    reported within ``RECONNECT`` seconds (``FAILOVER_RECONNECT`` where a survivor may take
+    over), never a hang."""
+    timeout = timedelta(seconds=settings.store_timeout)
+    first = timedelta(seconds=settings.store_timeout if first_wait is None else first_wait)
+    reconnect = FAILOVER_RECONNECT if settings.failover else RECONNECT
+    token = settings.store_token
+    Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
+    store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return NativeBackend(store, endpoint, server)
+
+
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     host = settings.address
-    timeout = timedelta(seconds=settings.store_timeout)
     token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
+    if settings.failover and len(settings.endpoints) > 1:
+        # A store that moved (its first host was lost): the newest host record among the
+        # endpoints that answer; a node that starts late, or comes back, joins it there.
+        from .failover import find_host
+        from .state import Keys
+
+        moved = find_host(settings.member_endpoints(), Keys(settings.run_id), token)
+        if moved is not None and moved.epoch > 1:
+            log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
+            return connect_native_backend(settings, *moved.address)
     if _should_host(settings):
         try:
             Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE, token=token).close()
@@ -93,15 +122,13 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             except Exception as exc:  # bound by another agent meanwhile: use that one
                 log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
     try:
-        # The first connection may wait for the host agent to start (store_timeout); once in,
-        # a lost server is reported within RECONNECT seconds, never a hang.
-        Store(host, settings.port, timeout=timeout, connect_timeout=timeout, token=token).close()
-        store = Store(host, settings.port, timeout=timeout, connect_timeout=RECONNECT, token=token)
+        backend = connect_native_backend(settings, host, settings.port, server)
     except BaseException:
         if server is not None:
             server.close()
         raise
-    return NativeBackend(store, settings.endpoint, server)
+    backend.endpoint = settings.endpoint
+    return backend
 
 
 def native_handler(settings: RendezvousSettings) -> ElasticRendezvousHandler:

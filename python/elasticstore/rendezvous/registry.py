@@ -140,7 +140,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend(name="elasticstore", label="elasticstore", stands_in_for=("c10d",),
             description="elasticstore's native rendezvous",
             factory=f"{_HERE}.native:native_handler", plugin="native_plugin",
-            connector=f"{__name__}:connect_native"),
+            connector=f"{__name__}:connect_native", several_endpoints=True),
     Backend(name="elasticstore-etcd", label="etcd", stands_in_for=("etcd-v2",),
             description="elasticstore's rendezvous on etcd v3",
             factory=f"{_HERE}.etcd:etcd_handler", plugin="etcd_plugin",

@@ -11,6 +11,9 @@ close_timeout        30        seconds ``shutdown`` may take to withdraw this no
 store_timeout        60        seconds one store operation (and a reconnect) may take
 lease_ttl            5         etcd: TTL of the lease that carries a node's liveness keys
 is_host              (auto)    native: host the rendezvous server in this agent (torch's key)
+failover             true      native: when the agent hosting the store is lost, a survivor
+                               hosts it next (``failover.py``); false: the store's host is a
+                               single point of failure, and no quorum rule applies
 etcd_prefix          /elasticstore/rdzv   etcd: key prefix of the rendezvous
 cacert / cert / key  (none)    etcd: TLS files (``ca_cert`` is accepted for ``cacert``)
 user / password      (none)    etcd: authentication
@@ -50,7 +53,7 @@ _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
 _STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
-_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "rank", "timeout", "token_file"}
+_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "failover", "rank", "timeout", "token_file"}
 _QUOTES = ("'", '"')
 
 
@@ -174,6 +177,7 @@ class RendezvousSettings:
     store_timeout: float = 60.0
     lease_ttl: float = 5.0
     is_host: bool | None = None
+    failover: bool = True
     etcd_prefix: str = "/elasticstore/rdzv"
     cacert: str | None = None
     cert: str | None = None
@@ -225,6 +229,11 @@ class RendezvousSettings:
     def endpoint(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
+    def member_endpoints(self) -> list[tuple[str, int]]:
+        """Every ``--rdzv-endpoint`` entry as (host without brackets, port), the first first."""
+        found = [parse_endpoint(e, self.port) for e in self.endpoints] or [(self.host, self.port)]
+        return [(h.strip("[]"), p) for h, p in found]
+
     @classmethod
     def from_config(
         cls,
@@ -261,6 +270,8 @@ class RendezvousSettings:
             kwargs["cacert" if key == "ca_cert" else key] = value
         if "is_host" in config:
             kwargs["is_host"] = _bool("is_host", config["is_host"])
+        if "failover" in config:
+            kwargs["failover"] = _bool("failover", config["failover"])
         if "rank" in config and config["rank"] is not None:
             try:
                 kwargs["rank"] = int(config["rank"])

@@ -10,6 +10,8 @@ Keys of run ``R`` (relative to the backend's store)::
     rdzv/R/ctl/boot/{T}       "addr:port" of round T's worker store (hosted by its rank 0)
     rdzv/R/ctl/check/{T}      session-bound: the waiting node that checks T's decider (native)
     rdzv/R/ctl/closed         the job is closed (JSON ``{"reason": ...}``, or ``1``)
+    rdzv/R/ctl/host           native, agent-hosted: who hosts the store, its epoch (``failover``)
+    rdzv/R/ctl/failover       native: the first round after a switch of host (``failover``)
     status/R/node/{node}      an agent's status (JSON), for ``elasticstore status``
     status/R/failure          the last failure's root cause (JSON)
     beat/R/{node}             native: the node's heartbeat count, on its liveness key's session
@@ -135,6 +137,8 @@ class Keys:
         self.ctl = self.base + "ctl/"
         self.round = self.ctl + "round"
         self.closed = self.ctl + "closed"
+        self.host = self.ctl + "host"
+        self.failover = self.ctl + "failover"
         self.status_prefix = f"status/{run_id}/"
         self.status_nodes = self.status_prefix + "node/"
         self.failure = self.status_prefix + "failure"

@@ -1,0 +1,126 @@
+"""A node's switch to the next host of a lost rendezvous store (``failover.py`` says why and how).
+
+:func:`take_over` runs in ``next_rendezvous`` once a store call found the host gone: the node
+drops everything bound to the dead store (its heartbeat, ring watcher, the round's worker store,
+the spare connection), then walks the candidates (the same list on every survivor): it serves
+itself when it is the candidate, else waits up to ``FAILOVER_WAIT`` for that candidate to serve
+with the next epoch; a candidate that does not is taken for lost too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from ..errors import AuthenticationError, StoreError, StoreNetworkError, StoreTimeoutError
+from ..stores.native.server import StoreServer
+from .backend import StoreBackend
+from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
+                       read_host, seed)
+from .native import NativeBackend, connect_native_backend
+
+if TYPE_CHECKING:
+    from .handler import ElasticRendezvousHandler
+
+__all__ = ["take_over"]
+
+log = logging.getLogger(__name__)
+
+
+def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
+    """Moves ``handler`` to the next host of its run's store; raises
+    ``RendezvousConnectionError`` when no candidate serves it."""
+    h = handler
+    carried, settings = h._carried, h._settings
+    old = carried.host
+    assert old is not None and carried.round is not None
+    log.warning("rendezvous %s: lost the store's host %s (%s): the next host is chosen from "
+                "round %d", settings.run_id, old.endpoint, cause, carried.round.round)
+    _detach(h)
+    carried.lost.add(old.node)
+    epoch, port = old.epoch + 1, old.address[1]
+    tried: list[str] = []
+    for node in candidates(carried):
+        backend = _serve(h, epoch, port) if node == h._node else _reach(h, node, epoch, port)
+        if backend is not None:
+            break
+        carried.lost.add(node)
+        tried.append(node)
+    else:
+        raise RendezvousConnectionError(
+            f"rendezvous {settings.run_id!r}: lost the store's host {old.endpoint} and no node "
+            f"of round {carried.round.round} took it over (tried: {', '.join(tried) or 'none'}; "
+            f"{FAILOVER_WAIT:g}s each)") from cause
+    h._attach(backend)
+    record = read_host(backend.store, h._keys)
+    if record is not None:
+        carried.host = record
+        h._moves.append(record)
+        log.warning("rendezvous %s: the store moved from %s to %s (epoch %d)", settings.run_id,
+                    old.endpoint, record.endpoint, record.epoch)
+
+
+def _detach(h: ElasticRendezvousHandler) -> None:
+    """Drops what is bound to the lost store; nothing here may wait on it."""
+    try:
+        h._leave_round(withdraw=False)
+    except Exception as exc:  # the round's worker store may be gone too
+        log.info("leaving the round after the store's loss: %s", exc)
+    heartbeat, h._heartbeat = h._heartbeat, None
+    if heartbeat is not None:
+        heartbeat.stop()
+    h._alive = False
+    spare, h._spare = h._spare, None
+    for conn in (spare, h._backend):
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+
+def _serve(h: ElasticRendezvousHandler, epoch: int, port: int) -> StoreBackend | None:
+    """This node is the candidate: a new server on its own address at the store's port, seeded
+    with the carried state; None when it cannot serve (the port is taken)."""
+    s = h._settings
+    try:
+        server = StoreServer(h._addr, port, token=s.store_token, torch_protocol=False)
+    except Exception as exc:
+        log.warning("cannot host the rendezvous store on %s: %s", endpoint_of(h._addr, port), exc)
+        return None
+    try:
+        backend = connect_native_backend(s, h._addr, port, server, first_wait=FAILOVER_WAIT)
+        record = HostRecord(epoch, h._node, endpoint_of(h._addr, port), h._carried.host.endpoint
+                            if h._carried.host else None, time.time())
+        seed(backend.store, h._keys, h._carried, record)
+        log.warning("rendezvous %s: this node hosts the store now, at %s (epoch %d)",
+                    s.run_id, record.endpoint, epoch)
+        return backend
+    except BaseException:
+        server.close()
+        raise
+
+
+def _reach(h: ElasticRendezvousHandler, node: str, epoch: int, port: int) -> NativeBackend | None:
+    """Waits up to ``FAILOVER_WAIT`` for ``node`` to serve the run's store with ``epoch``."""
+    deadline = time.monotonic() + FAILOVER_WAIT
+    addr = addr_of(node)
+    try:
+        backend = connect_native_backend(h._settings, addr, port, first_wait=FAILOVER_WAIT)
+    except AuthenticationError:
+        raise
+    except (StoreNetworkError, StoreTimeoutError, StoreError) as exc:
+        log.warning("candidate %s did not serve the rendezvous store at %s: %s", node,
+                    endpoint_of(addr, port), exc)
+        return None
+    try:
+        if await_host(backend.store, h._keys, node, epoch, deadline) is not None:
+            return backend
+    except (StoreNetworkError, StoreTimeoutError):
+        pass
+    log.warning("candidate %s did not take over the rendezvous store within %gs", node, FAILOVER_WAIT)
+    backend.close()
+    return None

@@ -1,0 +1,71 @@
+"""The node hosting the rendezvous store is lost (its agent SIGKILLed with its workers): the
+survivors agree on the next host, the job goes on at the smaller size and finishes; a node started
+later with the same command line, and the old host coming back, join the moved store as members.
+
+Three simulated nodes on 127.0.0.2-4, one ``--rdzv-endpoint`` list naming all three, 2 workers
+each. The failover path never waits for the last call (a round after a loss forms once the
+survivors are back); the last call is shortened here only for the later scale-up rounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from agent_nodes import agents, assert_gone, free_port, until
+
+pytestmark = pytest.mark.slow
+
+ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+def _flags(addr: str, port: int, nnodes: str, *extra: str) -> list[str]:
+    endpoints = ",".join(f"{a}:{port}" for a in ADDRS)
+    return ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", endpoints,
+            "--local-addr", addr, "--rdzv-id", "job", "--max-restarts", "0", *extra]
+
+
+def _world_ready(a: object, world: int, after: float = 0.0) -> int | None:
+    """An attempt whose ``world`` workers are all past init_process_group after ``after``."""
+    starts = a.starts()  # type: ignore[attr-defined]
+    for att in sorted({s["attempt"] for s in starts if s["world"] == world}, reverse=True):
+        inits = a.inits(att)  # type: ignore[attr-defined]
+        if len(inits) == world and min(inits.values()) >= after:
+            return att
+    return None
+
+
+def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_path: object) -> None:
+    port = free_port()
+    conf = ["--rdzv-conf", "last_call_timeout=2"]
+    with agents(str(tmp_path)) as a:
+        nodes = [a.start(_flags(addr, port, "2:4", *conf), name=f"n{i + 1}")
+                 for i, addr in enumerate(ADDRS)]
+        until(lambda: _world_ready(a, 6) is not None, 180, "3 nodes x 2 workers running")
+        host_workers = [s["pid"] for s in a.starts() if s["world"] == 6 and s["env"]["GROUP_RANK"] == "0"]
+        assert len(host_workers) == 2
+        killed_at = time.time()
+        os.kill(nodes[0].pid, signal.SIGKILL)  # the agent hosting the store; its workers follow
+        assert_gone(host_workers, 5.0)
+        until(lambda: _world_ready(a, 4, killed_at) is not None, 60, "survivors at world size 4")
+        att = _world_ready(a, 4, killed_at)
+        assert att is not None
+        print(f"store host lost -> survivors past init_process_group at world size 4: "
+              f"{max(a.inits(att).values()) - killed_at:.3f}s")
+        moved = f"the rendezvous store moved from {ADDRS[0]}:{port} to {ADDRS[1]}:{port} (epoch 2)"
+        for proc in nodes[1:]:
+            assert moved in a.output(proc), a.output(proc)
+
+        # The old host comes back with the same command line: a member of the moved store.
+        back_at = time.time()
+        back = a.start(_flags(ADDRS[0], port, "2:4", *conf), name="n1-back")
+        until(lambda: _world_ready(a, 6, back_at) is not None, 120, "the old host taken in as a member")
+        out = a.output(back)
+        assert "hosting the rendezvous server" not in out
+        assert f"the rendezvous store moved to {ADDRS[1]}:{port}" in out or "round" in out, out
+        a.release()
+        for proc in (*nodes[1:], back):
+            assert a.wait(proc, 90) == 0, a.output(proc)
+        for proc in nodes[1:]:
+            assert "restart 1/0" not in a.output(proc)  # a lost host spends no restart
