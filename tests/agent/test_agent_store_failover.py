@@ -8,8 +8,11 @@ survivors are back); the last call is shortened here only for the later scale-up
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -40,7 +43,8 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
     port = free_port()
     conf = ["--rdzv-conf", "last_call_timeout=2"]
     with agents(str(tmp_path)) as a:
-        nodes = [a.start(_flags(addr, port, "2:4", *conf), name=f"n{i + 1}")
+        logs = [os.path.join(str(tmp_path), f"logs-{i + 1}") for i in range(len(ADDRS))]
+        nodes = [a.start(_flags(addr, port, "2:4", *conf, "--log-dir", logs[i]), name=f"n{i + 1}")
                  for i, addr in enumerate(ADDRS)]
         until(lambda: _world_ready(a, 6) is not None, 180, "3 nodes x 2 workers running")
         host_workers = [s["pid"] for s in a.starts() if s["world"] == 6 and s["env"]["GROUP_RANK"] == "0"]
@@ -56,6 +60,20 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
         moved = f"the rendezvous store moved from {ADDRS[0]}:{port} to {ADDRS[1]}:{port} (epoch 2)"
         for proc in nodes[1:]:
             assert moved in a.output(proc), a.output(proc)
+        # elasticstore status, given the same endpoint list, reads the moved store and shows it.
+        endpoints = ",".join(f"{addr}:{port}" for addr in ADDRS)
+        out = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--rdzv-endpoint",
+                              endpoints, "--rdzv-id", "job", "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        host = json.loads(out.stdout)["host"]
+        assert (host["endpoint"], host["epoch"], host["previous"]) == (
+            f"{ADDRS[1]}:{port}", 2, f"{ADDRS[0]}:{port}"), host
+        assert host["node"].startswith(ADDRS[1] + "-") and time.time() - host["since"] < 120
+        text = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--rdzv-endpoint",
+                               endpoints, "--rdzv-id", "job"], capture_output=True, text=True,
+                              timeout=60).stdout
+        assert f"store host: {ADDRS[1]}:{port}" in text and f"took over from {ADDRS[0]}:{port}" in text, text
 
         # The old host comes back with the same command line: a member of the moved store.
         back_at = time.time()
@@ -69,3 +87,16 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
             assert a.wait(proc, 90) == 0, a.output(proc)
         for proc in nodes[1:]:
             assert "restart 1/0" not in a.output(proc)  # a lost host spends no restart
+        for log_dir in logs[1:]:
+            (event,) = [e for e in _events(log_dir) if e["event"] == "store_moved"]
+            assert (event["previous"], event["endpoint"], event["epoch"]) == (
+                f"{ADDRS[0]}:{port}", f"{ADDRS[1]}:{port}", 2)
+
+
+def _events(log_dir: str) -> list[dict[str, object]]:
+    found = []
+    for root, _, files in os.walk(log_dir):
+        if "events.jsonl" in files:
+            with open(os.path.join(root, "events.jsonl")) as f:
+                found += [json.loads(line) for line in f if line.strip()]
+    return found

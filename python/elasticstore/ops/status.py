@@ -12,7 +12,9 @@ The object (``--json``)::
      "last_failure": {"rank", "host", "exit_code", "signal", "message", ...} | null,
      "ranks": [{"rank", "node", "step", "step_seconds", "work_seconds", "silent_seconds",
                 "measure", "ratio", "straggler"}]  (beating ranks: ``stragglers.py``),
-     "store": {counter: value} | {"error": ...}}
+     "store": {counter: value} | {"error": ...},
+     "host": {"endpoint", "epoch", "node", "previous", "since"} | null  (native, agent-hosted:
+             who hosts the store; ``previous``/``since``: the switch that made it host)}
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..rendezvous.failover import HostRecord
 from ..rendezvous.records import int_field, number_field, parse_json, str_field
 from ..rendezvous.state import Keys
 from .control import JobAddress, JobNotFound, connect, exists, read_round
@@ -52,6 +55,7 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
                 if isinstance(obj, dict):
                     records[_last(key)] = obj
         failure = parse_json(store.try_get(keys.failure))
+        host = HostRecord.from_json(store.try_get(keys.host))
         try:
             health: dict[str, Any] = dict(store.stats())
         except Exception as exc:  # EtcdStore has no server counters
@@ -101,6 +105,9 @@ def job_status(addr: JobAddress) -> dict[str, Any]:
         "last_failure": failure if isinstance(failure, dict) else None,
         "ranks": rank_rows(records, participants),
         "store": health,
+        "host": None if host is None else {
+            "endpoint": host.endpoint, "epoch": host.epoch, "node": host.node,
+            "previous": host.previous, "since": host.since},
     }
 
 
@@ -129,6 +136,12 @@ def header_lines(st: dict[str, Any]) -> list[str]:
         lines.append(f"round {rnd['number']}: {rnd['world_size']} node(s), "
                      f"{rnd['workers'] or '?'} worker(s); formed {_when(rnd['formed_at'])}"
                      + (f", rendezvous took {took:.3f}s" if isinstance(took, (int, float)) else ""))
+    host = st.get("host")
+    if host:  # an agent hosts the store (native): where it is now, and whether it moved
+        moved = (f"; took over from {host['previous']} {_when(host['since'])}"
+                 if host.get("previous") else "")
+        lines.append(printable(f"store host: {host['endpoint']} (node {host['node']}, epoch "
+                               f"{host['epoch']}{moved})"))
     return lines
 
 

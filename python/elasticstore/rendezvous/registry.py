@@ -32,6 +32,9 @@ class StoreTarget(Protocol):
     def endpoint(self) -> str: ...
 
     @property
+    def run_id(self) -> str: ...
+
+    @property
     def timeout(self) -> float: ...
 
     @property
@@ -117,11 +120,20 @@ class Backend:
 
 
 def connect_native(target: StoreTarget) -> Any:
+    """The job's store; with several endpoints, the one whose host record is newest (the store
+    may have moved after its host was lost: ``failover.py``), else the first."""
     from ..stores.native.store import Store
+    from .failover import find_host
     from .settings import parse_endpoint
+    from .state import Keys
 
     wait = timedelta(seconds=target.timeout)
-    host, port = parse_endpoint(target.endpoint)
+    members = [parse_endpoint(e) for e in target.endpoint.split(",") if e.strip()]
+    host, port = members[0] if members else parse_endpoint(target.endpoint)
+    if len(members) > 1:
+        moved = find_host([(h.strip("[]"), p) for h, p in members], Keys(target.run_id), target.token)
+        if moved is not None:
+            host, port = moved.address
     return Store(host.strip("[]"), port, timeout=wait, connect_timeout=wait, token=target.token)
 
 
