@@ -165,6 +165,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             target = current.round + 1 if current else 1
             for _ in range(100_000):  # each pass is a round formed or replaced
                 state = self._join(target, deadline)
+                if self._fails_over:  # what a new host would be seeded with (standbys too)
+                    self._carried.refresh(self._backend.store, self._keys, state)
                 rank = state.rank_of(self._node)
                 if rank is None:  # standby or too late: wait for the next round
                     target = state.round + 1
@@ -356,8 +358,6 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         """Publishes (rank 0) or finds the round's worker store; starts watching the successor."""
         keys, backend = self._keys, self._backend
         self._round = state
-        if self._fails_over:
-            self._carried.refresh(backend.store, keys, state)
         if state.world_size > 1:
             successor = state.participants[(rank + 1) % state.world_size]
             spare, self._spare = self._spare, None
