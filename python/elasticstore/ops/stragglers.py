@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .terminal import printable
+
 __all__ = ["STRAGGLER_MIN_GAP_S", "STRAGGLER_RATIO", "rank_rows", "straggler_lines"]
 
 STRAGGLER_RATIO = 1.5
@@ -33,6 +35,14 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _rank(key: Any) -> int | None:
+    """A rank from a record's key: ASCII digits only (``"²"`` is a digit to ``str.isdigit``
+    but no number to ``int``), short enough to be a rank."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9:
+        return int(key)
+    return None
+
+
 def rank_rows(records: dict[str, dict[str, Any]], nodes: list[str]) -> list[dict[str, Any]]:
     """One row per beating rank of ``nodes`` (the round's members), sorted by rank, with its
     ``measure`` ("work" or "step"), ``ratio`` to the others' median and ``straggler``."""
@@ -42,9 +52,10 @@ def rank_rows(records: dict[str, dict[str, Any]], nodes: list[str]) -> list[dict
         if not isinstance(ranks, dict):
             continue
         for rank, r in ranks.items():
-            if not isinstance(r, dict) or not str(rank).isdigit():
+            number = _rank(rank)
+            if not isinstance(r, dict) or number is None:
                 continue
-            rows.append({"rank": int(rank), "node": node, "step": r.get("step"),
+            rows.append({"rank": number, "node": node, "step": r.get("step"),
                          "step_seconds": _number(r.get("step_seconds")),
                          "work_seconds": _number(r.get("work_seconds")),
                          "silent_seconds": _number(r.get("silent_seconds")),
@@ -73,7 +84,9 @@ def straggler_lines(rows: list[dict[str, Any]]) -> list[str]:
         def sec(v: float | None) -> str:
             return f"{v:.3f}s" if v is not None else "-"
         ratio = f", {r['ratio']:.2f}x the others" if r["ratio"] is not None else ""
-        lines.append(f"  rank {r['rank']} on {r['node']}: step {r['step']}, step time "
-                     f"{sec(r['step_seconds'])}, work {sec(r['work_seconds'])}{ratio}, last beat "
-                     f"{sec(r['silent_seconds'])} ago" + ("  SLOW (straggler)" if r["straggler"] else ""))
+        # The node and the step come from the store: escaped like every other line.
+        line = (f"  rank {r['rank']} on {r['node']}: step {r['step']}, step time "
+                f"{sec(r['step_seconds'])}, work {sec(r['work_seconds'])}{ratio}, last beat "
+                f"{sec(r['silent_seconds'])} ago" + ("  SLOW (straggler)" if r["straggler"] else ""))
+        lines.append(printable(line))
     return lines
