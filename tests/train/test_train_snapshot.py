@@ -3,7 +3,8 @@
 with a state whose size changes and that holds tensors and plain objects; never more than
 ``KEEP_PER_RANK`` snapshots per local rank; a node lost at world size 4 resumes at world size 2
 from the surviving node's memory with the sampler's exact position; the agent's memory is gone
-after it ends, also after a SIGKILL. Every test runs its agents with their own snapshot root under
+after it ends, also after a SIGKILL; a new job, or memory with nothing newer that reads, restores
+the disk checkpoint (source "disk"). Every test runs its agents with their own snapshot root under
 /dev/shm and checks it is empty at the end."""
 
 from __future__ import annotations
@@ -292,3 +293,99 @@ def test_disk_checkpoints_written_in_the_background_hold_their_own_step(
         state = torch.load(ckpt / name, weights_only=True)["state"]
         assert bool((state["w"] == state["step"]).all()), name
     shutil.rmtree(directory)
+
+
+@pytest.mark.timeout(300)
+def test_fresh_job_restores_the_previous_jobs_disk_checkpoint(tmp_path: Path,
+                                                              shm_root: str) -> None:
+    """A job of 1 worker writes a disk checkpoint every 4 steps and stops after step 10; its agent
+    ends and removes its shared memory (the snapshots of steps 9 and 10 with it). A new job of 2
+    workers on the same checkpoint directory has no snapshot at all: both ranks restore step 8
+    from disk, exactly, and train every sample once per epoch from there."""
+    from elasticstore.train.checkpoint import list_checkpoints
+
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    disk = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    env = {ROOT_ENV: shm_root}
+    with agents(str(tmp_path)) as a:
+        job1 = a.start(["--standalone", "--nproc-per-node", "1"],
+                       ["--dir", str(first), *disk, "--stop-at-step", "10"], name="job1", env=env,
+                       script=TRAIN)
+        finish(a, [job1])
+        out1 = a.output(job1)
+        assert records(str(first), "restore") == {0: {"world": 1, "step": None}}, out1[-4000:]
+        assert done_step(str(first), 0, 0) == 10, out1[-4000:]
+        assert [step for step, _ in list_checkpoints(ckpt)] == [4, 8], out1[-4000:]
+        assert snapshot_dirs(shm_root) == []  # the memory snapshots went with the agent
+        job2 = a.start(["--standalone", "--nproc-per-node", "2"], ["--dir", str(second), *disk],
+                       name="job2", env=env, script=TRAIN)
+        finish(a, [job2])
+        out2 = a.output(job2)
+    restored = records(str(second), "restore", 0)
+    path = str(ckpt / "ckpt-000000000008.pt")
+    assert {rank: (r["world"], r["step"], r["source"], r["detail"], r["exact"])
+            for rank, r in restored.items()} == {0: (2, 8, "disk", path, True),
+                                                 1: (2, 8, "disk", path, True)}, out2[-4000:]
+    results = records(str(second), "result", 0)
+    assert len(results) == 2 and all(r["counts_ok"] and r["steps"] > 8 for r in results.values())
+
+
+def test_restore_reads_disk_when_memory_holds_nothing_newer(tmp_path: Path,
+                                                            shm_root: str) -> None:
+    """In one process (no process group): steps 1 to 10 snapshotted, checkpoints at 4 and 8. The
+    memory's step 10 wins while it is there; with no snapshot area, an empty one, one whose
+    snapshots do not read (overwritten), or one holding only an older step, ``restore`` returns
+    the disk checkpoint of step 8, its state exactly."""
+    import torch
+
+    from elasticstore.train import SnapshotSettings, Snapshots
+
+    def state(step: int) -> dict[str, Any]:
+        return {"step": step, "w": torch.full((1000,), float(step)),
+                "objects": {"name": "s" * step, "nested": [step, {"k": step * 0.5}]}}
+
+    def restore(directory: str | None) -> Any:
+        with Snapshots(settings=SnapshotSettings(directory, 0), checkpoint_dir=ckpt,
+                       checkpoint_every=4, write_checkpoints=False) as snaps:
+            return snaps.restore()
+
+    def assert_disk_8(got: Any) -> None:
+        assert got is not None and (got.step, got.source, got.detail) == (
+            8, "disk", str(ckpt / "ckpt-000000000008.pt")), got
+        want = state(8)
+        assert got.state["step"] == 8 and got.state["objects"] == want["objects"]
+        assert torch.equal(got.state["w"], want["w"])
+
+    ckpt = tmp_path / "ckpt"
+    node, empty = os.path.join(shm_root, "node"), os.path.join(shm_root, "empty")
+    os.mkdir(node)
+    os.mkdir(empty)
+    try:
+        with Snapshots(settings=SnapshotSettings(node, 0), checkpoint_dir=ckpt, checkpoint_every=4,
+                       write_checkpoints=True) as snaps:
+            for step in range(1, 11):
+                snaps.snapshot(lambda: state(step), step)
+        snap_files = sorted(glob.glob(os.path.join(node, "step-*.snap")))
+        assert [os.path.basename(p)[:17] for p in snap_files] == ["step-000000000009",
+                                                                 "step-000000000010"]
+        memory = restore(node)
+        assert memory is not None and (memory.step, memory.source) == (10, "memory"), memory
+
+        assert_disk_8(restore(None))  # no snapshot area: the process's own memory, empty
+        assert_disk_8(restore(empty))  # a fresh agent's area
+
+        for path in snap_files:  # the area's snapshots are there but do not read
+            Path(path).write_bytes(b"not a snapshot" * 10)
+        with pytest.warns(RuntimeWarning, match="skipping snapshot"):
+            assert_disk_8(restore(node))
+
+        for path in snap_files:
+            os.unlink(path)
+        with Snapshots(settings=SnapshotSettings(node, 0)) as older:  # memory behind the disk
+            older.snapshot(state(5), 5)
+        assert_disk_8(restore(node))
+    finally:
+        shutil.rmtree(node, ignore_errors=True)
+        shutil.rmtree(empty, ignore_errors=True)

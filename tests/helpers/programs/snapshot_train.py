@@ -10,6 +10,10 @@ function of the step. Records in ``--dir``:
 - ``done-<attempt>-<rank>``: the newest step whose snapshot this rank published;
 - ``result-<attempt>-<rank>.json`` at the end: the per-epoch counts (each index once: all ones) and
   the most snapshot files this local rank ever had at once.
+
+``--checkpoint-dir``/``--checkpoint-every``: disk checkpoints written from the snapshots (by rank
+0); ``--stop-at-step N``: every rank ends cleanly after step N (its disk checkpoints written), as a
+job stopped part way that a later job resumes.
 """
 
 import argparse
@@ -46,6 +50,9 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=-1)
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--stop-at-step", type=int, default=-1)
     args = p.parse_args()
 
     import torch
@@ -62,7 +69,8 @@ def main() -> None:
     sampler = ElasticDistributedSampler(list(range(args.dataset_size)), seed=7)
     counts = torch.zeros(args.epochs, args.dataset_size, dtype=torch.float64)
     step = 0
-    snaps = Snapshots(every=1)
+    snaps = Snapshots(every=1, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every)
     restored = snaps.restore()
     record: dict[str, Any] = {"world": world, "step": None}
     if restored is not None:
@@ -78,9 +86,13 @@ def main() -> None:
 
     most = 0
     for epoch in range(sampler.epoch, args.epochs):
+        if step == args.stop_at_step:
+            break
         sampler.set_epoch(epoch)
         indices = list(sampler)
         for i in range(0, len(indices), args.batch_size):
+            if step == args.stop_at_step:
+                break
             batch = indices[i:i + args.batch_size]
             if step + 1 == args.fail_at_step and rank == args.fail_rank and attempt == 0:
                 os._exit(3)
