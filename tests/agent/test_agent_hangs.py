@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from agent_nodes import agents, free_port, node_flags, until
+from agent_nodes import agents, events, free_port, node_flags, until
 from paths import program
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,6 @@ def _inits(d: str, attempt: int) -> list[float]:
     return [_stamp(os.path.join(d, n)) for n in names]
 
 
-def _events(log_dir: str) -> list[dict[str, Any]]:
-    found = []
-    for root, _, files in os.walk(log_dir):
-        if "events.jsonl" in files:
-            with open(os.path.join(root, "events.jsonl")) as f:
-                found += [json.loads(line) for line in f if line.strip()]
-    return found
-
-
 def test_a_hung_rank_is_restarted_with_its_stacks_shown(tmp_path: Any) -> None:
     d, logs = str(tmp_path), str(tmp_path / "logs")
     with agents(d) as a:
@@ -57,7 +48,7 @@ def test_a_hung_rank_is_restarted_with_its_stacks_shown(tmp_path: Any) -> None:
     assert "rank 1 (pid" in out and "hung: no heartbeat for" in out and "restart 1/1" in out
     assert "in stuck_in_user_code" in out  # the hung rank's stack
     assert "waits on a peer" in out and "in all_reduce" in out  # its peer's, blocked in gloo
-    hangs = [e for e in _events(logs) if e["event"] == "hang"]
+    hangs = [e for e in events(logs) if e["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["rank"] == 1 and hangs[0]["waiting_ranks"] == [0]
     assert hangs[0]["silent_seconds"] >= 3 and hangs[0]["step"] == 10
     stacks = [os.path.join(r, f) for r, _, fs in os.walk(logs) for f in fs if f == "stacks.log"]

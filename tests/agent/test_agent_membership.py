@@ -17,26 +17,16 @@ pytestmark = pytest.mark.slow
 CONF = ["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1"]
 
 
-def _world_ready(a: object, world: int, after: float = 0.0) -> int | None:
-    """An attempt whose ``world`` workers are all past init_process_group."""
-    starts = a.starts()  # type: ignore[attr-defined]
-    for att in sorted({s["attempt"] for s in starts if s["world"] == world}, reverse=True):
-        inits = a.inits(att)  # type: ignore[attr-defined]
-        if len(inits) == world and min(inits.values()) >= after:
-            return att
-    return None
-
-
 def test_scale_up_then_node_lost(tmp_path: object) -> None:
     port = free_port()
     with agents(str(tmp_path)) as a:
         n1 = a.start(node_flags("127.0.0.2", port, "1:3", 1, *CONF), name="n1")
         n2 = a.start(node_flags("127.0.0.3", port, "1:3", 1, *CONF), name="n2")
-        until(lambda: _world_ready(a, 2) is not None, 120, "2 nodes running")
+        until(lambda: a.world_ready(2) is not None, 120, "2 nodes running")
         t_new = time.time()
         n3 = a.start(node_flags("127.0.0.4", port, "1:3", 1, *CONF), name="n3")
-        until(lambda: _world_ready(a, 3) is not None, 120, "the third node taken in")
-        att3 = _world_ready(a, 3)
+        until(lambda: a.world_ready(3) is not None, 120, "the third node taken in")
+        att3 = a.world_ready(3)
         assert att3 is not None
         print(f"new node started -> 3 workers past init_process_group: "
               f"{max(a.inits(att3).values()) - t_new:.3f}s (includes its cold start)")
@@ -46,8 +36,8 @@ def test_scale_up_then_node_lost(tmp_path: object) -> None:
         os.kill(n2.pid, signal.SIGKILL)
         gone = assert_gone(n2_workers, 1.0)
         print(f"agent SIGKILL -> its workers gone in {gone:.3f}s")
-        until(lambda: _world_ready(a, 2, killed_at) is not None, 60, "survivors at world size 2")
-        att = _world_ready(a, 2, killed_at)
+        until(lambda: a.world_ready(2, killed_at) is not None, 60, "survivors at world size 2")
+        att = a.world_ready(2, killed_at)
         assert att is not None
         print(f"node lost -> survivors past init_process_group at world size 2: "
               f"{max(a.inits(att).values()) - killed_at:.3f}s (last_call_timeout 1s)")
@@ -68,11 +58,11 @@ def test_node_lost_with_default_settings_reforms_without_the_last_call(tmp_path:
     with agents(str(tmp_path)) as a:
         n1 = a.start(node_flags("127.0.0.2", port, "1:2", 2, "--max-restarts", "1"), name="n1")
         n2 = a.start(node_flags("127.0.0.3", port, "1:2", 2, "--max-restarts", "1"), name="n2")
-        until(lambda: _world_ready(a, 4) is not None, 120, "2 nodes x 2 workers running")
+        until(lambda: a.world_ready(4) is not None, 120, "2 nodes x 2 workers running")
         killed_at = time.time()
         os.kill(n2.pid, signal.SIGKILL)
-        until(lambda: _world_ready(a, 2, killed_at) is not None, 60, "the survivor at world size 2")
-        att = _world_ready(a, 2, killed_at)
+        until(lambda: a.world_ready(2, killed_at) is not None, 60, "the survivor at world size 2")
+        att = a.world_ready(2, killed_at)
         assert att is not None
         took = max(a.inits(att).values()) - killed_at
         print(f"node lost -> survivor past init_process_group at world size 2: {took:.3f}s "
@@ -103,13 +93,13 @@ def test_a_joining_node_enters_the_rendezvous_once_its_fork_server_is_warm(tmp_p
     (tmp_path / "run").mkdir()
     with agents(str(tmp_path / "run")) as a:
         n1 = a.start(node_flags("127.0.0.2", port, "1:2", 1, "--max-restarts", "1"), name="n1")
-        until(lambda: _world_ready(a, 1) is not None, 120, "node 1 running alone")
+        until(lambda: a.world_ready(1) is not None, 120, "node 1 running alone")
         started = time.time()
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(slow), os.environ.get("PYTHONPATH")])),
                "TEST_FORK_SERVER_DELAY": str(delay)}
         n2 = a.start(node_flags("127.0.0.3", port, "1:2", 1, "--max-restarts", "1"), name="n2", env=env)
-        until(lambda: _world_ready(a, 2, started) is not None, 120, "both nodes in one round")
-        att = _world_ready(a, 2, started)
+        until(lambda: a.world_ready(2, started) is not None, 120, "both nodes in one round")
+        att = a.world_ready(2, started)
         assert att is not None
         rank0 = os.path.join(a.dir, f"start-{att}-0.json")  # node 1's worker of the new round
         waited = os.path.getmtime(rank0) - started

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from agent_nodes import agents, assert_gone, free_port, until
+from agent_nodes import agents, assert_gone, events, free_port, until
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,6 @@ def _flags(addr: str, port: int, nnodes: str, *extra: str) -> list[str]:
             "--local-addr", addr, "--rdzv-id", "job", "--max-restarts", "0", *extra]
 
 
-def _world_ready(a: object, world: int, after: float = 0.0) -> int | None:
-    """An attempt whose ``world`` workers are all past init_process_group after ``after``."""
-    starts = a.starts()  # type: ignore[attr-defined]
-    for att in sorted({s["attempt"] for s in starts if s["world"] == world}, reverse=True):
-        inits = a.inits(att)  # type: ignore[attr-defined]
-        if len(inits) == world and min(inits.values()) >= after:
-            return att
-    return None
-
-
 def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_path: object) -> None:
     port = free_port()
     conf = ["--rdzv-conf", "last_call_timeout=2"]
@@ -46,14 +36,14 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
         logs = [os.path.join(str(tmp_path), f"logs-{i + 1}") for i in range(len(ADDRS))]
         nodes = [a.start(_flags(addr, port, "2:4", *conf, "--log-dir", logs[i]), name=f"n{i + 1}")
                  for i, addr in enumerate(ADDRS)]
-        until(lambda: _world_ready(a, 6) is not None, 180, "3 nodes x 2 workers running")
+        until(lambda: a.world_ready(6) is not None, 180, "3 nodes x 2 workers running")
         host_workers = [s["pid"] for s in a.starts() if s["world"] == 6 and s["env"]["GROUP_RANK"] == "0"]
         assert len(host_workers) == 2
         killed_at = time.time()
         os.kill(nodes[0].pid, signal.SIGKILL)  # the agent hosting the store; its workers follow
         assert_gone(host_workers, 5.0)
-        until(lambda: _world_ready(a, 4, killed_at) is not None, 60, "survivors at world size 4")
-        att = _world_ready(a, 4, killed_at)
+        until(lambda: a.world_ready(4, killed_at) is not None, 60, "survivors at world size 4")
+        att = a.world_ready(4, killed_at)
         assert att is not None
         print(f"store host lost -> survivors past init_process_group at world size 4: "
               f"{max(a.inits(att).values()) - killed_at:.3f}s")
@@ -78,7 +68,7 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
         # The old host comes back with the same command line: a member of the moved store.
         back_at = time.time()
         back = a.start(_flags(ADDRS[0], port, "2:4", *conf), name="n1-back")
-        until(lambda: _world_ready(a, 6, back_at) is not None, 120, "the old host taken in as a member")
+        until(lambda: a.world_ready(6, back_at) is not None, 120, "the old host taken in as a member")
         out = a.output(back)
         assert "hosting the rendezvous server" not in out
         assert f"the rendezvous store moved to {ADDRS[1]}:{port}" in out or "round" in out, out
@@ -88,15 +78,7 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
         for proc in nodes[1:]:
             assert "restart 1/0" not in a.output(proc)  # a lost host spends no restart
         for log_dir in logs[1:]:
-            (event,) = [e for e in _events(log_dir) if e["event"] == "store_moved"]
+            (event,) = [e for e in events(log_dir) if e["event"] == "store_moved"]
             assert (event["previous"], event["endpoint"], event["epoch"]) == (
                 f"{ADDRS[0]}:{port}", f"{ADDRS[1]}:{port}", 2)
 
-
-def _events(log_dir: str) -> list[dict[str, object]]:
-    found = []
-    for root, _, files in os.walk(log_dir):
-        if "events.jsonl" in files:
-            with open(os.path.join(root, "events.jsonl")) as f:
-                found += [json.loads(line) for line in f if line.strip()]
-    return found

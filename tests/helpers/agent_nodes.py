@@ -107,6 +107,25 @@ class Agents:
     def release(self) -> None:
         open(os.path.join(self.dir, "release"), "w").close()
 
+    def world_ready(self, world: int, after: float = 0.0) -> int | None:
+        """An attempt whose ``world`` workers are all past init_process_group after ``after``."""
+        starts = self.starts()
+        for att in sorted({s["attempt"] for s in starts if s["world"] == world}, reverse=True):
+            inits = self.inits(att)
+            if len(inits) == world and min(inits.values()) >= after:
+                return att
+        return None
+
+
+def events(log_dir: str) -> list[dict[str, Any]]:
+    """Every record of every ``events.jsonl`` below ``log_dir`` (an agent's ``--log-dir``)."""
+    found = []
+    for root, _, files in os.walk(log_dir):
+        if "events.jsonl" in files:
+            with open(os.path.join(root, "events.jsonl")) as f:
+                found += [json.loads(line) for line in f if line.strip()]
+    return found
+
 
 def alive(pid: int) -> bool:
     try:
