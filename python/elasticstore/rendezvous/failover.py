@@ -143,6 +143,9 @@ class Carried:
     closed: bytes | None = None
     failure: bytes | None = None
     lost: set[str] = field(default_factory=set)  # hosts lost so far (node ids)
+    # The failure record as read at the last refresh: a ``failure`` that differs was published
+    # by this node since, and only this node has it (the others read it at the next round).
+    read_failure: bytes | None = None
 
     def refresh(self, store: Store, keys: Keys, state: RoundState) -> None:
         """After entering round ``state``: the host, closed and failure records (one read)."""
@@ -152,7 +155,12 @@ class Carried:
         if record is not None and (self.host is None or record.epoch >= self.host.epoch):
             self.host = record
         self.closed = closed if closed is not None else self.closed
-        self.failure = failure if failure is not None else self.failure
+        self.failure = self.read_failure = failure if failure is not None else self.failure
+
+    def published_since(self) -> bytes | None:
+        """The failure record this node published since the last refresh, if any: it writes
+        it to a new host itself (the host seeded what it read)."""
+        return self.failure if self.failure != self.read_failure else None
 
 
 def candidates(carried: Carried) -> list[str]:
@@ -176,8 +184,10 @@ def seed(store: Store, keys: Keys, carried: Carried, record: HostRecord) -> None
     uses the store only once that record is there."""
     state = carried.round
     assert state is not None
-    expect = tuple(n for n in state.participants if n not in carried.lost and n != record.node
-                   and (carried.host is None or n != carried.host.node))
+    # Its standbys switch too: waited for as well, they take the lost nodes' places at once
+    # (not in a scale-up round right after this one).
+    expect = tuple(n for n in (*state.participants, *state.standby) if n not in carried.lost
+                   and n != record.node and (carried.host is None or n != carried.host.node))
     store.set(keys.round, state.to_json())
     store.set(keys.restart(state.round), json.dumps({"reason": f"store host lost; now {record.endpoint}"}))
     store.set(keys.failover, FailoverRecord(record.epoch, state.round, (record.node, *expect),

@@ -55,6 +55,10 @@ def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
             f"of round {carried.round.round} took it over (tried: {', '.join(tried) or 'none'}; "
             f"{FAILOVER_WAIT:g}s each)") from cause
     h._attach(backend)
+    failure = carried.published_since()
+    if failure is not None:  # published here during the last round: the others never read it
+        backend.store.set(h._keys.failure, failure)
+        carried.read_failure = failure
     record = read_host(backend.store, h._keys)
     if record is not None:
         carried.host = record
