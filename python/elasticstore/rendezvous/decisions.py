@@ -14,7 +14,7 @@ from .state import RoundState, node_sort_key
 
 __all__ = [
     "Complete", "Signal", "View", "Wait", "Action", "Role", "decide", "order_nodes", "role_in",
-    "late_message", "update_min_since",
+    "late_message", "short_of_quorum", "update_min_since",
 ]
 
 
@@ -143,6 +143,18 @@ def role_in(state: RoundState, node: str) -> Role:
 def waiting_count(restart_value: bytes | None) -> int:
     """``num_nodes_waiting`` from the round's restart signal: positive once it is set."""
     return 0 if restart_value is None else 1
+
+
+def short_of_quorum(prev: RoundState | None, joined: frozenset[str], quorum: int) -> str:
+    """What the decider adds to ``late_message`` when the quorum of ``prev``'s participants
+    (after a loss on an agent-hosted store, ``failover.py``) is why its round did not form;
+    "" when it is met."""
+    have = len(joined & set(prev.participants)) if prev is not None else 0
+    if prev is None or have >= quorum:
+        return ""
+    return (f"; only {have} of round {prev.round}'s {len(prev.participants)} participants "
+            f"joined and the round needs {quorum} of them (the others may be running on the "
+            "other side of a partition)")
 
 
 def late_message(run_id: str, target: int, join_timeout: float, min_nodes: int, max_nodes: int,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from torch.distributed.elastic.rendezvous import RendezvousClosedError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
 from ..errors import WatchCompactedError
 from . import decisions, failover
@@ -77,7 +77,7 @@ class Decider:
         while True:
             now = time.monotonic()
             if now >= self._deadline:
-                self._on_deadline()
+                self._late(prev, frozenset(joined), quorum)
             min_since = decisions.update_min_since(min_since, len(joined), s.min_nodes, now)
             view = decisions.View(
                 target, prev, frozenset(alive), frozenset(joined), restart, min_since, now,
@@ -114,6 +114,16 @@ class Decider:
                 raise RendezvousClosedError(f"rendezvous {s.run_id!r} closed")
             elif event.key == k.round and event.kind == "set":
                 return None
+
+    def _late(self, prev: RoundState | None, joined: frozenset[str], quorum: int) -> None:
+        """``on_deadline`` (raises past the deadline), its message naming a quorum not met."""
+        try:
+            self._on_deadline()
+        except RendezvousTimeoutError as exc:
+            note = decisions.short_of_quorum(prev, joined, quorum)
+            if not note:
+                raise
+            raise RendezvousTimeoutError(f"{exc}{note}") from None
 
     def _quorum(self, prev: RoundState | None) -> tuple[frozenset[str], float | None, int]:
         """(nodes waited for though not live yet, until when, the quorum of ``prev``): on an
