@@ -137,3 +137,83 @@ def test_settings_refused(config: dict[str, object], match: str) -> None:
 ])
 def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
     assert parse_endpoint(text) == expected
+
+
+# --- after a switch of store host (failover.py): the expected nodes, the quorum ----------------
+
+from elasticstore.rendezvous.failover import fence_quorum, majority  # noqa: E402
+
+E, F = (str(NodeId(f"127.0.0.{i}", 100 + i, 0)) for i in (5, 6))
+R5 = RoundState(1, (A, B, C, E, F))  # A hosted the store
+R4 = RoundState(1, (A, B, C, D))
+
+
+def failover_view(prev: RoundState, alive: set[str], joined: set[str], *, now: float = 0.0,
+                  expect: set[str] | None = None, until: float | None = None,
+                  quorum: int = 0) -> View:
+    """Round 2 after a loss: ``ctl/restart/1`` is set (a new host seeds it), min_nodes joined
+    at 0.0."""
+    return View(2, prev, frozenset(alive), frozenset(joined), True, 0.0, now,
+                frozenset(expect or ()), until, quorum)
+
+
+# (name, view, min, max, last_call, expected action)
+FAILOVER_TABLE = [
+    ("new host: an expected survivor not here yet is waited for until expect_until",
+     failover_view(R5, {B, C, E}, {B, C, E}, now=3.0, expect={B, C, E, F}, until=10.0,
+                   quorum=3), 1, 5, 1.0, Wait(10.0)),
+    ("new host: at expect_until the round forms without the expected node",
+     failover_view(R5, {B, C, E}, {B, C, E}, now=10.0, expect={B, C, E, F}, until=10.0,
+                   quorum=3), 1, 5, 1.0, Complete(RoundState(2, (B, C, E)))),
+    ("new host: every expected node joined, no wait for expect_until",
+     failover_view(R5, {B, C, E, F}, {B, C, E, F}, now=0.5, expect={B, C, E, F}, until=10.0,
+                   quorum=3), 1, 5, 1.0, Complete(RoundState(2, (B, C, E, F)))),
+    ("expected nodes without an expect_until are not waited for",
+     failover_view(R5, {B, C, E}, {B, C, E}, now=0.5, expect={B, C, E, F}, until=None,
+                   quorum=3), 1, 5, 1.0, Complete(RoundState(2, (B, C, E)))),
+    ("new host: fewer than a strict majority of the last round waits, past expect_until",
+     failover_view(R4, {B, C}, {B, C}, now=20.0, expect={B, C}, until=10.0,
+                   quorum=max(majority(R4), fence_quorum(R4))), 1, 4, 1.0, Wait(None)),
+    ("after a loss, fewer than the quorum of the last round waits (a newcomer does not count)",
+     failover_view(R1, {C, D}, {C, D}, now=5.0, quorum=fence_quorum(R1)), 1, 4, 1.0, Wait(None)),
+    ("after a loss, exactly half of the last round passes fence_quorum",
+     failover_view(R4, {A, B}, {A, B}, now=0.0, quorum=fence_quorum(R4)), 1, 4, 1.0,
+     Complete(RoundState(2, (A, B)))),
+    ("after a loss, half of the last round plus a newcomer passes fence_quorum",
+     failover_view(R4, {C, D, E}, {C, D, E}, now=5.0, quorum=fence_quorum(R4)), 1, 4, 1.0,
+     Complete(RoundState(2, (C, D, E)))),
+    ("a quorum of 0 (another backend, failover=0): one survivor of three forms a round",
+     failover_view(R1, {C}, {C}, now=0.0), 1, 3, 1.0, Complete(RoundState(2, (C,)))),
+]
+
+
+@pytest.mark.parametrize("name,v,lo,hi,last_call,expected", FAILOVER_TABLE,
+                         ids=[t[0] for t in FAILOVER_TABLE])
+def test_decide_after_a_switch(name: str, v: View, lo: int, hi: int, last_call: float,
+                               expected: object) -> None:
+    assert decide(v, lo, hi, last_call) == expected
+
+
+@pytest.mark.parametrize("participants,majority_,fence", [
+    (1, 1, 1), (2, 2, 1), (3, 2, 2), (4, 3, 2), (5, 3, 3), (6, 4, 3), (7, 4, 4),
+])
+def test_majority_and_fence_quorum(participants: int, majority_: int, fence: int) -> None:
+    """A new host's first round needs a strict majority, any later round at least half: two
+    sides of a partition can never both reach theirs (one side holds at most half)."""
+    state = RoundState(1, tuple(str(NodeId(f"10.0.0.{i}", 1, 0)) for i in range(participants)))
+    assert (majority(state), fence_quorum(state)) == (majority_, fence)
+    for side in range(participants + 1):  # a split into side | participants - side
+        other = participants - side
+        assert not (side >= majority_ and other >= fence), (side, other)
+
+
+def test_short_of_quorum_names_the_quorum_in_the_timeout() -> None:
+    from elasticstore.rendezvous.decisions import short_of_quorum
+
+    assert short_of_quorum(R1, frozenset({C}), 2) == (
+        "; only 1 of round 1's 3 participants joined and the round needs 2 of them (the others "
+        "may be running on the other side of a partition)")
+    assert short_of_quorum(R1, frozenset({C, D}), 2).startswith("; only 1 of round 1's 3")
+    assert short_of_quorum(R1, frozenset({B, C}), 2) == ""  # met: not why
+    assert short_of_quorum(R1, frozenset({C}), 0) == ""  # no quorum (failover=0, etcd)
+    assert short_of_quorum(None, frozenset({A}), 0) == ""  # the first round
