@@ -372,3 +372,34 @@ def test_partitioned_store_host_is_fenced_while_the_others_take_over(net: None) 
                 assert formed < conf["store_timeout"] + 5, f"{formed:.2f}s"
             finally:
                 g.close()
+
+
+def test_a_node_named_in_no_round_follows_the_store_through_its_endpoint_list() -> None:
+    """Four nodes, nnodes 1:3: round 1 is full with three, and the fourth waits unnamed in any
+    round record (it has no candidates of its own). The host is lost: the two survivors switch
+    to 127.0.0.3; the fourth finds the store there among its ``--rdzv-endpoint`` entries (the
+    newest host record) and enters the next round as a member."""
+    with group(4, 3) as g:
+        a, b, c, d = g.handlers
+        g.round(0, 1, 2)
+        waiting = g.start(3)
+        with g.store(0) as st:
+            until(lambda: len(st.list_keys(KEYS.join_prefix(2))) == 1, 10, "the fourth waits")
+        assert d.round is None and d._carried.round is None
+        lost = g.lose(0)
+        for h in (b, c):
+            until(lambda h=h: h.num_nodes_waiting() > 0, 10, "num_nodes_waiting > 0")
+        results = g.start(1, 2).wait(60)
+        assert not any(isinstance(r, BaseException) for r in results.values()), results
+        assert b.round == c.round == RoundState(2, (b.node_id, c.node_id))
+        # The fourth reaches the moved store and waits there: round 2 is replaced for it (a
+        # scale-up round, after the last call), and the survivors come back.
+        results = g.start(1, 2, join=next_round).wait(3 * FAILOVER_WAIT + 30)
+        assert not any(isinstance(r, BaseException) for r in results.values()), results
+        fourth = waiting.wait(30)[3]
+        assert not isinstance(fourth, BaseException), repr(fourth)
+        print(f"\nstore host lost -> the unnamed node in a round on the new host: "
+              f"{waiting.at[3] - lost:.2f}s")
+        assert moves(d) == [(g.endpoint(1), 2)]
+        assert d.round == RoundState(3, (b.node_id, c.node_id, d.node_id))
+        assert d._backend.server is None

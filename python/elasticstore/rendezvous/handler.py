@@ -40,7 +40,7 @@ from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import Carried, HostRecord, endpoint_of
-from .takeover import take_over
+from .takeover import may_fail_over, take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
@@ -98,10 +98,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         return self._settings.failover and self._backend.name == "elasticstore"
 
     def _may_fail_over(self, exc: BaseException) -> bool:
-        """``exc`` lost an agent-hosted store (a host record was read) hosted elsewhere."""
-        c = self._carried
-        return (self._fails_over and not self._shut and self._backend.server is None
-                and None not in (c.host, c.round) and isinstance(exc.__cause__ or exc, StoreNetworkError))
+        return may_fail_over(self, exc)
 
     # -- torch's interface ----------------------------------------------------------------------
 

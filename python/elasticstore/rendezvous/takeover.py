@@ -19,15 +19,24 @@ from ..errors import AuthenticationError, StoreError, StoreNetworkError, StoreTi
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
-                       read_host, seed)
+                       find_host, read_host, seed)
 from .native import NativeBackend, connect_native_backend
 
 if TYPE_CHECKING:
     from .handler import ElasticRendezvousHandler
 
-__all__ = ["take_over"]
+__all__ = ["may_fail_over", "take_over"]
 
 log = logging.getLogger(__name__)
+
+
+def may_fail_over(h: ElasticRendezvousHandler, exc: BaseException) -> bool:
+    """Whether ``exc`` lost a store a survivor may take over: agent-hosted (a host record was
+    read) or looked up among several endpoints, hosted elsewhere than here."""
+    c, listed = h._carried, len(h._settings.endpoints) > 1
+    return (h._fails_over and not h._shut and h._backend.server is None
+            and (None not in (c.host, c.round) or listed)
+            and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
 
 def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
@@ -36,7 +45,8 @@ def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
     h = handler
     carried, settings = h._carried, h._settings
     old = carried.host
-    assert old is not None and carried.round is not None
+    if old is None or carried.round is None:
+        return _follow(h, cause)
     log.warning("rendezvous %s: lost the store's host %s (%s): the next host is chosen from "
                 "round %d", settings.run_id, old.endpoint, cause, carried.round.round)
     _detach(h)
@@ -65,6 +75,31 @@ def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
         h._moves.append(record)
         log.warning("rendezvous %s: the store moved from %s to %s (epoch %d)", settings.run_id,
                     old.endpoint, record.endpoint, record.epoch)
+
+
+def _follow(h: ElasticRendezvousHandler, cause: BaseException) -> None:
+    """A node that saw no round (it waited for its first, or its last one) has no candidates
+    of its own: it looks the store up among its ``--rdzv-endpoint`` entries for up to twice
+    ``FAILOVER_WAIT`` (the survivors' switch), and joins it where a newer host record shows."""
+    settings, known = h._settings, h._carried.host
+    _detach(h)
+    deadline = time.monotonic() + 2 * FAILOVER_WAIT
+    for _ in range(1 << 16):
+        found = find_host(settings.member_endpoints(), h._keys, settings.store_token)
+        if found is not None and found.epoch > (known.epoch if known else 1):
+            backend = connect_native_backend(settings, *found.address, first_wait=FAILOVER_WAIT)
+            h._attach(backend)
+            h._carried.host = found
+            h._moves.append(found)
+            log.warning("rendezvous %s: the store moved to %s (epoch %d)", settings.run_id,
+                        found.endpoint, found.epoch)
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    raise RendezvousConnectionError(
+        f"rendezvous {settings.run_id!r}: lost the rendezvous store and found no new host among "
+        f"{', '.join(settings.endpoints)} within {2 * FAILOVER_WAIT:g}s") from cause
 
 
 def _detach(h: ElasticRendezvousHandler) -> None:
