@@ -4,6 +4,7 @@ nodes (``net``, for the fault tests)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -14,6 +15,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hel
 
 import store_kinds  # noqa: E402
 from store_kinds import KINDS, Opened  # noqa: E402
+
+# A shell that starts the suite in the background (``cmd &`` in a script) starts it with SIGINT
+# ignored, and every process a test starts would inherit that: the tests that stop a program with
+# SIGINT, as a user's Ctrl-C does, need it delivered. Python's own handler here; programs started
+# from the tests get the default disposition (a caught signal is reset by exec, an ignored one not).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(params=KINDS, ids=[kind.name for kind in KINDS])
