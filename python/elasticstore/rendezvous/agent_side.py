@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousInfo
 
+from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
@@ -35,16 +36,32 @@ class AgentSide:
     _stop_seen: str | None
     _carried: Carried
     _moves: list[HostRecord]
+    _lost: BaseException | None
+    _shut: bool
 
     def _guard(self) -> AbstractContextManager[None]:
         raise NotImplementedError
 
+    # -- failover of the store's host (failover.py, takeover.py) -------------------------------
+
     @property
     def _fails_over(self) -> bool:
-        raise NotImplementedError
+        """A survivor takes over this run's store when its host is lost."""
+        return self._settings.failover and self._backend.name == "elasticstore"
 
     def _may_fail_over(self, exc: BaseException) -> bool:
-        raise NotImplementedError
+        """Whether ``exc`` lost a store a survivor may take over: agent-hosted (a host record
+        was read) or looked up among several endpoints, hosted elsewhere than here."""
+        c, listed = self._carried, len(self._settings.endpoints) > 1
+        return (self._fails_over and not self._shut and self._backend.server is None
+                and (None not in (c.host, c.round) or listed)
+                and isinstance(exc.__cause__ or exc, StoreNetworkError))
+
+    def _saw_loss(self, error: BaseException) -> None:
+        """A store call found the store gone: once a survivor may take it over, the next join
+        switches at once and no call waits on the lost host again."""
+        if self._lost is None and self._may_fail_over(error):
+            self._lost = error
 
     @property
     def round(self) -> RoundState | None:
@@ -67,6 +84,8 @@ class AgentSide:
         the event that ended its round), that reason, with no read: the store may be gone."""
         if self._stop_seen is not None:
             return self._stop_seen
+        if self._lost is not None:  # the store's host is lost: what this node read last
+            return closed_reason_of(self._carried.closed)
         with self._guard():
             data = self._backend.get(self._keys.closed)
         return closed_reason_of(data)
@@ -92,13 +111,14 @@ class AgentSide:
         if rnd is None:
             return None
         try:
-            with self._guard():
-                return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round),
-                                  self._saw_stop, lost_ends_round=self._fails_over)
-        except RendezvousConnectionError as exc:
-            if self._may_fail_over(exc):
-                return EndedWatch()  # the store's host is lost: the round is over
-            raise
+            if self._lost is None:
+                with self._guard():
+                    return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round),
+                                      self._saw_stop, self._saw_loss if self._fails_over else None)
+        except RendezvousConnectionError:
+            if self._lost is None:
+                raise
+        return EndedWatch()  # the store's host is lost: the round is over
 
     def end_round(self, reason: str) -> None:
         """Tells every participant at once that the current round is over (e.g. a worker

@@ -57,9 +57,11 @@ class RoundWatch:
     ``on_stop(reason)`` is told when the restart record says the run was closed."""
 
     def __init__(self, backend: StoreBackend, key: str,
-                 on_stop: Callable[[str], None] | None = None, lost_ends_round: bool = False) -> None:
+                 on_stop: Callable[[str], None] | None = None,
+                 on_lost: Callable[[BaseException], None] | None = None) -> None:
         self._b, self._key, self._on_stop = backend, key, on_stop
-        self._lost_ends_round = lost_ends_round  # a lost store ends the round (failover.py)
+        self._on_lost = on_lost  # told of a lost store, which then ends the round (failover.py)
+        self._closed = False
 
     def _seen(self, value: bytes | None) -> bool:
         reason = stop_reason_of(value)
@@ -86,12 +88,16 @@ class RoundWatch:
         except WatchCompactedError:
             value = self._b.get(self._key)
             return value is not None and self._seen(value)
-        except StoreNetworkError:
-            if self._lost_ends_round:
-                return True
-            raise
+        except StoreNetworkError as exc:
+            if self._closed:  # close() ended the wait
+                return False
+            if self._on_lost is None:
+                raise
+            self._on_lost(exc)
+            return True
 
     def close(self) -> None:
+        self._closed = True
         try:
             self._b.close()
         except Exception:

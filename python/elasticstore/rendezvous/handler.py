@@ -40,7 +40,7 @@ from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import Carried, HostRecord, endpoint_of
-from .takeover import may_fail_over, take_over
+from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
@@ -73,6 +73,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
         self._shut = False  # shutdown() was called: a join in progress gives up
         self._carried = Carried()  # what this node would seed a new store host with
+        self._lost: BaseException | None = None  # the store's host was lost: switch at the next join
         self._moves: list[HostRecord] = []  # the switches of store host this node made
         with self._guard():
             self._attach(backend)
@@ -93,12 +94,6 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             self._ensure_alive()
         self._spare = backend.clone()
 
-    @property
-    def _fails_over(self) -> bool:  # a survivor takes over a lost host's store (failover.py)
-        return self._settings.failover and self._backend.name == "elasticstore"
-
-    def _may_fail_over(self, exc: BaseException) -> bool:
-        return may_fail_over(self, exc)
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -138,12 +133,14 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         for _ in range(64):  # a pass per switch of store host
+            if (lost := self._lost) is not None:
+                self._lost = None
+                take_over(self, lost)
             try:
                 return self._join_next()
             except RendezvousConnectionError as exc:
-                if not self._may_fail_over(exc):
+                if self._lost is None:  # not a loss a survivor may take over
                     raise
-                take_over(self, exc)
         raise RendezvousConnectionError("rendezvous: the store's host kept being lost")
 
     def _join_next(self) -> RendezvousInfo:
@@ -207,12 +204,13 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         if rnd is None:
             return 0
         try:
-            with self._guard():
-                return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
-        except RendezvousConnectionError as exc:
-            if self._may_fail_over(exc):
-                return 1  # the store's host is lost: a new round on the next host
-            raise
+            if self._lost is None:
+                with self._guard():
+                    return decisions.waiting_count(self._backend.get(self._keys.restart(rnd.round)))
+        except RendezvousConnectionError:
+            if self._lost is None:
+                raise
+        return 1  # the store's host is lost: a new round on the next host
 
     def shutdown(self) -> bool:
         """Withdraws this node only (its keys go; the rendezvous stays open for the others).
@@ -283,10 +281,11 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         try:
             yield
         except StoreNetworkError as exc:
-            raise RendezvousConnectionError(
-                f"lost the rendezvous store at {self._backend.endpoint} "
-                f"({self._backend.name}): {exc}"
-            ) from exc
+            error = RendezvousConnectionError(
+                f"lost the rendezvous store at {self._backend.endpoint} ({self._backend.name}): {exc}")
+            error.__cause__ = exc
+            self._saw_loss(error)
+            raise error from exc
 
     def _read_round(self) -> RoundState | None:
         data = self._backend.get(self._keys.round)

@@ -25,18 +25,9 @@ from .native import NativeBackend, connect_native_backend
 if TYPE_CHECKING:
     from .handler import ElasticRendezvousHandler
 
-__all__ = ["may_fail_over", "take_over"]
+__all__ = ["take_over"]
 
 log = logging.getLogger(__name__)
-
-
-def may_fail_over(h: ElasticRendezvousHandler, exc: BaseException) -> bool:
-    """Whether ``exc`` lost a store a survivor may take over: agent-hosted (a host record was
-    read) or looked up among several endpoints, hosted elsewhere than here."""
-    c, listed = h._carried, len(h._settings.endpoints) > 1
-    return (h._fails_over and not h._shut and h._backend.server is None
-            and (None not in (c.host, c.round) or listed)
-            and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
 
 def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
