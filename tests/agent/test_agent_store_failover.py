@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from agent_nodes import agents, assert_gone, events, free_port, until
@@ -52,11 +53,7 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
             assert moved in a.output(proc), a.output(proc)
         # elasticstore status, given the same endpoint list, reads the moved store and shows it.
         endpoints = ",".join(f"{addr}:{port}" for addr in ADDRS)
-        out = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--rdzv-endpoint",
-                              endpoints, "--rdzv-id", "job", "--json"], capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        host = json.loads(out.stdout)["host"]
+        host = _status(endpoints)["host"]
         assert (host["endpoint"], host["epoch"], host["previous"]) == (
             f"{ADDRS[1]}:{port}", 2, f"{ADDRS[0]}:{port}"), host
         assert host["node"].startswith(ADDRS[1] + "-") and time.time() - host["since"] < 120
@@ -65,15 +62,20 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
                               timeout=60).stdout
         assert f"store host: {ADDRS[1]}:{port}" in text and f"took over from {ADDRS[0]}:{port}" in text, text
 
-        # The old host comes back with the same command line: a member of the moved store.
+        # The old host comes back with the same command line: a member of the moved store, which
+        # stays where it is; then a fourth node, started later with the same command line.
         back_at = time.time()
         back = a.start(_flags(ADDRS[0], port, "2:4", *conf), name="n1-back")
         until(lambda: a.world_ready(6, back_at) is not None, 120, "the old host taken in as a member")
-        out = a.output(back)
-        assert "hosting the rendezvous server" not in out
-        assert f"the rendezvous store moved to {ADDRS[1]}:{port}" in out or "round" in out, out
+        st = _status(endpoints)
+        assert (st["host"]["endpoint"], st["host"]["epoch"]) == (f"{ADDRS[1]}:{port}", 2), st["host"]
+        assert sorted(m["addr"] for m in st["members"]) == sorted(ADDRS), st["members"]
+        fourth_at = time.time()
+        fourth = a.start(_flags("127.0.0.5", port, "2:4", *conf), name="n4")
+        until(lambda: a.world_ready(8, fourth_at) is not None, 120, "a fourth node taken in")
+        assert _status(endpoints)["host"]["epoch"] == 2
         a.release()
-        for proc in (*nodes[1:], back):
+        for proc in (*nodes[1:], back, fourth):
             assert a.wait(proc, 90) == 0, a.output(proc)
         for proc in nodes[1:]:
             assert "restart 1/0" not in a.output(proc)  # a lost host spends no restart
@@ -82,3 +84,11 @@ def test_store_host_lost_survivors_go_on_and_late_nodes_find_the_new_host(tmp_pa
             assert (event["previous"], event["endpoint"], event["epoch"]) == (
                 f"{ADDRS[0]}:{port}", f"{ADDRS[1]}:{port}", 2)
 
+
+def _status(endpoints: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "elasticstore.cli", "status", "--rdzv-endpoint",
+                          endpoints, "--rdzv-id", "job", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
