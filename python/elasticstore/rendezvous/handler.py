@@ -278,13 +278,15 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
+        backend = self._backend
         try:
             yield
         except StoreNetworkError as exc:
             error = RendezvousConnectionError(
-                f"lost the rendezvous store at {self._backend.endpoint} ({self._backend.name}): {exc}")
+                f"lost the rendezvous store at {backend.endpoint} ({backend.name}): {exc}")
             error.__cause__ = exc
-            self._saw_loss(error)
+            if backend is self._backend:  # not a store this node has switched away from
+                self._saw_loss(error)
             raise error from exc
 
     def _read_round(self) -> RoundState | None:
