@@ -38,6 +38,7 @@ class AgentSide:
     _moves: list[HostRecord]
     _lost: BaseException | None
     _shut: bool
+    _alive: bool
 
     def _guard(self) -> AbstractContextManager[None]:
         raise NotImplementedError
@@ -51,9 +52,11 @@ class AgentSide:
 
     def _may_fail_over(self, exc: BaseException) -> bool:
         """Whether ``exc`` lost a store a survivor may take over: agent-hosted (a host record
-        was read) or looked up among several endpoints, hosted elsewhere than here."""
+        was read) or looked up among several endpoints, hosted elsewhere than here, and this
+        node is in the rendezvous (not stepped aside: a node out of it, e.g. unhealthy, may
+        have missed that the run finished and its host left)."""
         c, listed = self._carried, len(self._settings.endpoints) > 1
-        return (self._fails_over and not self._shut and self._backend.server is None
+        return (self._fails_over and not self._shut and self._alive and self._backend.server is None
                 and (None not in (c.host, c.round) or listed)
                 and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
