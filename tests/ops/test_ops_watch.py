@@ -16,6 +16,8 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -59,26 +61,37 @@ def read_until(fd: int, done: Any, timeout: float) -> str:
     return text.decode(errors="replace")
 
 
+@contextmanager
+def watch_on_a_pty(server: Any, size: tuple[int, int] | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``status --watch`` on a pseudo-terminal (``size``: rows, columns); yields the process
+    and the terminal's master end; kills the process if it is still running at the end."""
+    master, slave = pty.openpty()
+    if size is not None:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[0], size[1], 0, 0))
+    proc = subprocess.Popen(watch_cmd(server), stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, close_fds=True, env=env)
+    os.close(slave)
+    try:
+        yield proc, master
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        os.close(master)
+
+
 def test_watch_on_a_terminal_draws_a_live_table() -> None:
     pytest.importorskip("rich")
     with StoreServer("127.0.0.2", 0) as server:
         record_round(server)
-        master, slave = pty.openpty()
-        proc = subprocess.Popen(watch_cmd(server), stdin=slave, stdout=slave, stderr=slave,
-                                start_new_session=True, close_fds=True)
-        os.close(slave)
-        try:
+        with watch_on_a_pty(server) as (proc, master):
             text = read_until(master, lambda t: t.count("127.0.0.3-11-0") >= 2, 60)
             assert text.count("127.0.0.3-11-0") >= 2, text  # drawn, then redrawn
             assert "round 2: 2 node(s), 4 worker(s)" in text and "(lost)" in text
             assert "RANK" in text and "\x1b[2J" not in text  # rich's live view, not a cleared screen
             os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-            os.close(master)
 
 
 def test_watch_goes_on_when_the_store_goes_away() -> None:
@@ -201,26 +214,16 @@ def test_watch_on_a_terminal_escapes_hostile_records() -> None:
     pytest.importorskip("rich")
     with StoreServer("127.0.0.2", 0) as server:
         record_hostile_round(server)
-        master, slave = pty.openpty()
         # Wide and tall enough that rich neither wraps nor crops a line.
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 200, 400, 0, 0))
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         env["TERM"] = "xterm-256color"
-        proc = subprocess.Popen(watch_cmd(server), stdin=slave, stdout=slave, stderr=slave,
-                                start_new_session=True, close_fds=True, env=env)
-        os.close(slave)
-        try:
+        with watch_on_a_pty(server, (200, 400), env) as (proc, master):
             text = read_until(master, lambda t: t.count("store host: ") >= 2, 60)
             assert text.count("store host: ") >= 2, text  # drawn, then redrawn
             assert "RANK" in text and "Traceback" not in text, text
             check_hostile_view(text)
             os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-            os.close(master)
 
 
 def test_dead_etcd_endpoint_one_line_exit_1() -> None:

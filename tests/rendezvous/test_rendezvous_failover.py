@@ -135,6 +135,14 @@ class Group:
         assert not errors, errors
         return results  # type: ignore[return-value]
 
+    def full_round_and_a_fourth_waiting(self) -> Joins:
+        """Nodes 0-2 form round 1 (nnodes 1:3: full); node 3 joins round 2 and waits."""
+        self.round(0, 1, 2)
+        waiting = self.start(3)
+        with self.store(0) as st:
+            until(lambda: len(st.list_keys(KEYS.join_prefix(2))) == 1, 10, "the fourth waits")
+        return waiting
+
     def lose(self, i: int) -> float:
         """Node ``i`` is lost as its death looks to the others: its rendezvous server closes,
         its heartbeat stops, its round's worker store goes. Returns the monotonic time."""
@@ -223,10 +231,7 @@ def test_store_host_lost_a_standby_enters_the_next_round() -> None:
     survivors and the standby (ranks kept, the standby last); the failure record survives."""
     with group(4, 3) as g:
         a, b, c, d = g.handlers
-        g.round(0, 1, 2)
-        waiting = g.start(3)
-        with g.store(0) as st:
-            until(lambda: len(st.list_keys(KEYS.join_prefix(2))) == 1, 10, "the fourth waits")
+        waiting = g.full_round_and_a_fourth_waiting()
         a.publish_status({"state": "failed"}, failure={"rank": 0, "message": "worker failed"})
         infos = g.round(0, 1, 2)
         assert [(infos[i].rank, infos[i].world_size) for i in range(3)] == [(0, 3), (1, 3), (2, 3)]
@@ -381,10 +386,7 @@ def test_a_node_named_in_no_round_follows_the_store_through_its_endpoint_list() 
     newest host record) and enters the next round as a member."""
     with group(4, 3) as g:
         a, b, c, d = g.handlers
-        g.round(0, 1, 2)
-        waiting = g.start(3)
-        with g.store(0) as st:
-            until(lambda: len(st.list_keys(KEYS.join_prefix(2))) == 1, 10, "the fourth waits")
+        waiting = g.full_round_and_a_fourth_waiting()
         assert d.round is None and d._carried.round is None
         lost = g.lose(0)
         for h in (b, c):

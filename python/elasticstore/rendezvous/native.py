@@ -17,7 +17,9 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
+from .failover import endpoint_of, find_host
 from .settings import RendezvousSettings
+from .state import Keys
 
 if TYPE_CHECKING:
     from .handler import ElasticRendezvousHandler
@@ -91,8 +93,7 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
     token = settings.store_token
     Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
     store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)
-    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return NativeBackend(store, endpoint, server)
+    return NativeBackend(store, endpoint_of(host, port), server)
 
 
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
@@ -102,9 +103,6 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     if settings.failover and len(settings.endpoints) > 1:
         # A store that moved (its first host was lost): the newest host record among the
         # endpoints that answer; a node that starts late, or comes back, joins it there.
-        from .failover import find_host
-        from .state import Keys
-
         moved = find_host(settings.member_endpoints(), Keys(settings.run_id), token)
         if moved is not None and moved.epoch > 1:
             log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
