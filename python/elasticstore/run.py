@@ -31,6 +31,7 @@ from typing import Any
 from .agent.config import AgentSettings, parse_timeout
 from .agent.healthflags import health_settings
 from .agent.logs import parse_std
+from . import schedulers
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError, parse_pairs
 from .runflags import UsageError, parser
@@ -157,8 +158,8 @@ def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
           legacy: bool = False) -> RunSettings:
     """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
-    args = parser(environ, legacy=legacy).parse_args(list(argv))
-    notices: list[str] = []
+    args, taken = schedulers.parse_args(parser(environ, legacy=legacy), argv, environ)
+    notices: list[str] = taken  # what a scheduler's environment gave (schedulers/)
     min_nodes, max_nodes = _nnodes(args.nnodes)
     backend_arg = _default_backend(args, min_nodes, max_nodes)
     try:
