@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import pytest
 from agent_nodes import Agents, agents, alive, assert_gone, free_port, node_flags, until
 from paths import program
 
-from elasticstore.agent.snapshots import PREFIX, ROOT_ENV, remove_stale
+from elasticstore.agent.snapshots import OWNER, PREFIX, ROOT_ENV, remove_stale
 
 TRAIN = program("snapshot_train.py")
 CONF = ["--rdzv-conf", "last_call_timeout=1"]
@@ -197,22 +198,33 @@ def test_agent_sigkilled_leaves_nothing_in_shared_memory(tmp_path: Path, shm_roo
 
 
 def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
-    """What the next agent's start does when a reaper was killed too: a directory named after a
-    process that is gone is removed, one of a running process (this one) is kept."""
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    with open(f"/proc/{os.getpid()}/stat") as f:
-        started = f.read().rsplit(")", 1)[1].split()[19]
-    dead = os.path.join(shm_root, f"{PREFIX}job.{gone.pid}.{started}.0000")
-    live = os.path.join(shm_root, f"{PREFIX}job.{os.getpid()}.{started}.0000")
-    for d in (dead, live):
+    """What the next agent's start does when a reaper was killed too: an area whose owner lock
+    nobody holds (its owner is gone) is removed; one whose lock a running process holds is kept,
+    and so is a directory with no owner file (not judged)."""
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+            "sys.stdin.read() if sys.argv[2] == 'wait' else None")
+    dead, live, legacy = (os.path.join(shm_root, f"{PREFIX}job.{n}") for n in ("a", "b", "c"))
+    for d in (dead, live, legacy):
         os.mkdir(d)
         Path(d, "step-000000000001.local-0.snap").write_bytes(b"x")
+    owners = [subprocess.Popen([sys.executable, "-c", hold, os.path.join(d, OWNER), how],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+              for d, how in ((dead, "exit"), (live, "wait"))]
     try:
+        for proc in owners:
+            assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
+        assert owners[0].wait(10) == 0
         assert remove_stale(shm_root) == [dead]
-        assert not os.path.exists(dead) and os.path.exists(live)
+        assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(legacy)
     finally:
+        for proc in owners:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.close()  # the holder's read ends: it exits
+            proc.wait(10)
+            proc.stdout.close()
         shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(legacy, ignore_errors=True)
 
 
 def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> None:

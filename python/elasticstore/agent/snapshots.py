@@ -1,9 +1,19 @@
-"""The node's memory for its workers' snapshots (``elasticstore.train.Snapshots``).
+"""The node's memory for its workers' snapshots (``elasticstore.train.Snapshots``) and its other
+per-agent files (the heartbeat board, the stacks files).
 
-The agent creates one directory per job and node, ``<root>/elasticstore-snapshots.<run id>.<agent
-pid>.<its start time>.<random>`` (root: ``/dev/shm``, or ``ELASTICSTORE_SNAPSHOT_ROOT``), mode 0700, and gives its
-path to every worker in ``ELASTICSTORE_SNAPSHOT_DIR``. It keeps it across worker restarts and
-rounds, and removes it when it ends, whatever the outcome (success, failure, signal, operator stop).
+The agent creates one directory per job and node, ``<root>/elasticstore-snapshots.<run id>.<random>``
+(root: ``/dev/shm``, or ``ELASTICSTORE_SNAPSHOT_ROOT``), mode 0700, and gives its path to every
+worker in ``ELASTICSTORE_SNAPSHOT_DIR``. It keeps it across worker restarts and rounds, and removes
+it when it ends, whatever the outcome (success, failure, signal, operator stop). Without that root
+(no ``/dev/shm``) the directory is made under the temporary directory for the agent's own files
+only: workers then keep their snapshots in their own memory.
+
+The agent holds an exclusive ``flock`` on the directory's ``.owner`` file for as long as it runs
+(the directory is made under a temporary name and renamed once locked, so no area is ever seen
+unlocked while alive). The kernel drops the lock when the agent's process ends, however it ends,
+and the lock is the same in every PID namespace that shares the file system (containers sharing
+``/dev/shm`` with ``--ipc=host``): an area is judged stale by that lock, never by a pid, which
+another PID namespace cannot see.
 
 An agent killed with SIGKILL runs no code, so a reaper removes the directory then: a small process
 (this file run as a script, standard library only) started in a session of its own, blocked
@@ -13,17 +23,18 @@ the middle of a write recreates a file in it) and exits. A pipe is used, not PR_
 the death signal follows the thread that started the child, not the process, and a signal can be
 lost before the reaper installs its handler; the end of a pipe cannot. Should the reaper itself be
 killed too (a SIGKILL of every process of the machine's user, the OOM killer), the next agent's
-start removes directories whose agent no longer runs (``remove_stale``: the pid and its start
-time are in the name, so a reused pid is not taken for the agent).
+start removes the directories whose lock nobody holds (``remove_stale``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -34,15 +45,9 @@ SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"  # what workers read (train/snaps
 ROOT_ENV = "ELASTICSTORE_SNAPSHOT_ROOT"  # where the agent creates its directory
 DEFAULT_ROOT = "/dev/shm"
 PREFIX = "elasticstore-snapshots."
+OWNER = ".owner"  # the file whose flock the owning agent holds
+CREATING = ".elasticstore-creating."  # a directory not yet locked (never judged stale)
 REMOVE_FOR_S = 30.0  # how long removal retries while workers still write (they die with the agent)
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def remove_tree(path: str, within: float = REMOVE_FOR_S) -> bool:
@@ -56,9 +61,25 @@ def remove_tree(path: str, within: float = REMOVE_FOR_S) -> bool:
         time.sleep(0.05)
 
 
+def _lock(path: str, create: bool) -> int | None:
+    """An fd holding the exclusive flock of ``path``'s owner file; None when another process holds
+    it (or, without ``create``, when there is no owner file: not an area of this version)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(os.path.join(path, OWNER), flags, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def remove_stale(root: str) -> list[str]:
-    """Removes this user's snapshot directories under ``root`` whose agent no longer runs;
-    returns them."""
+    """Removes this user's areas under ``root`` whose owner lock nobody holds (their agent and
+    reaper are gone, in whatever PID namespace they ran); returns them."""
     removed = []
     try:
         names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
@@ -69,12 +90,16 @@ def remove_stale(root: str) -> list[str]:
         try:
             if os.lstat(path).st_uid != os.getuid():
                 continue
-            _, pid_s, started, _ = name.rsplit(".", 3)
-            alive = _start_time(int(pid_s)) == started
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if not alive and remove_tree(path, within=1.0):
-            removed.append(path)
+        fd = _lock(path, create=False)
+        if fd is None:
+            continue  # alive (locked), or no owner file: not judged
+        try:
+            if remove_tree(path, within=1.0):
+                removed.append(path)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -83,39 +108,54 @@ def _safe(text: str) -> str:
 
 
 class SnapshotArea:
-    """The agent's snapshot directory and its reaper; ``close`` removes both."""
+    """The agent's directory (locked while it runs) and its reaper; ``close`` removes both.
+    ``path``: the directory (None only when none could be made); ``snapshots``: whether workers
+    keep their snapshots in it (a memory file system was found)."""
 
     def __init__(self, run_id: str, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         root = env.get(ROOT_ENV) or DEFAULT_ROOT
+        self.snapshots = os.path.isdir(root)
+        if not self.snapshots:
+            root = tempfile.gettempdir()  # the agent's own files only (the heartbeat board)
         self.path: str | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
-        if not os.path.isdir(root):
-            return  # no /dev/shm: workers keep snapshots in their own memory
+        self._lock_fd: int | None = None
         remove_stale(root)
-        pid = os.getpid()
-        path = os.path.join(
-            root, f"{PREFIX}{_safe(run_id)}.{pid}.{_start_time(pid)}.{uuid.uuid4().hex[:8]}")
-        os.mkdir(path, 0o700)
+        creating = os.path.join(root, f"{CREATING}{uuid.uuid4().hex}")
+        path = os.path.join(root, f"{PREFIX}{_safe(run_id)}.{uuid.uuid4().hex[:16]}")
         try:
+            os.mkdir(creating, 0o700)
+        except OSError:
+            self.snapshots = False
+            return  # a root we cannot write: workers keep snapshots in their own memory
+        try:
+            self._lock_fd = _lock(creating, create=True)
+            if self._lock_fd is None:
+                raise OSError(f"cannot lock {creating}/{OWNER}")
+            os.rename(creating, path)
             self._reaper = subprocess.Popen(
                 [sys.executable, "-I", os.path.abspath(__file__), path], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
         except BaseException:
+            self.path = path
             self.close()
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(creating, ignore_errors=True)
             raise
         self.path = path
 
     def env(self) -> dict[str, str]:
         """What the workers get."""
-        return {SNAPSHOT_DIR_ENV: self.path} if self.path is not None else {}
+        return {SNAPSHOT_DIR_ENV: self.path} if self.path is not None and self.snapshots else {}
 
     def close(self) -> None:
         """Removes the directory (the workers are stopped), then lets the reaper go."""
         if self.path is not None:
             remove_tree(self.path)
             self.path = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         reaper, self._reaper = self._reaper, None
         if reaper is not None:
             assert reaper.stdin is not None
