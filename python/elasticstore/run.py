@@ -242,7 +242,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         metrics_addr=str(args.metrics_addr), token_file=rdzv.token_file,
         heartbeat_timeout=_timeout("--heartbeat-timeout", args.heartbeat_timeout),
         first_heartbeat_timeout=_timeout("--first-heartbeat-timeout", args.first_heartbeat_timeout),
-        health=health_settings(args, UsageError),
+        health=health_settings(args, UsageError, rdzv.join_timeout),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
                        tuple(notices), rdzv)

@@ -142,3 +142,69 @@ def test_a_slow_rank_is_marked_in_status_and_metrics(tmp_path: Any) -> None:
             body = r.read().decode()
         assert 'elasticstore_worker_work_seconds{rank="1"}' in body
         agent.kill()
+
+
+PATTERNS = program("beat_patterns.py")
+
+
+def test_ranks_waiting_on_an_untimed_evaluation_are_not_judged(tmp_path: Any) -> None:
+    """Rank 0 evaluates 6 s in ``section("eval", timeout=None)``, rank 1 waits in
+    ``dist.barrier()``; with ``--heartbeat-timeout 2`` the job runs on and finishes."""
+    d = str(tmp_path)
+    with agents(d) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "2", "--heartbeat-timeout", "2",
+                         "--max-restarts", "0"],
+                        ["--dir", d, "--mode", "eval", "--eval", "6"], script=PATTERNS)
+        assert a.wait(agent, 90) == 0, a.output(agent)
+        out = a.output(agent)
+    assert "hung:" not in out and "succeeded: 1 round(s), 0/0 restart(s)" in out, out
+    assert "no verdict while rank 0 is in section 'eval' (no timeout)" in out, out
+    assert all(os.path.exists(os.path.join(d, f"done-{r}")) for r in (0, 1))
+
+
+def test_a_rank_that_never_beats_is_not_killed_while_the_others_beat(tmp_path: Any) -> None:
+    """Only rank 0 calls ``heartbeat()``; both ranks all_reduce every step for ~6 s, three times
+    ``--first-heartbeat-timeout``: nobody is judged, the job finishes."""
+    d = str(tmp_path)
+    with agents(d) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "2", "--heartbeat-timeout", "2",
+                         "--first-heartbeat-timeout", "2", "--max-restarts", "0"],
+                        ["--dir", d, "--mode", "rank0", "--steps", "60", "--step-time", "0.1"],
+                        script=PATTERNS)
+        assert a.wait(agent, 90) == 0, a.output(agent)
+        out = a.output(agent)
+    assert "hung:" not in out and "succeeded: 1 round(s), 0/0 restart(s)" in out, out
+    assert all(os.path.exists(os.path.join(d, f"done-{r}")) for r in (0, 1))
+
+
+def test_a_deadlock_in_collectives_is_caught_and_reported_with_the_real_signal(tmp_path: Any) -> None:
+    """Every rank waits in ``dist.recv`` for another: no rank is hung in its own code and no
+    section is open, so the waiting rank is the verdict; it was stopped with SIGTERM (not
+    SIGKILLed: its stacks show it waits), and the report says so."""
+    d = str(tmp_path)
+    with agents(d) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "2", "--heartbeat-timeout", "2",
+                         "--max-restarts", "0"], ["--dir", d, "--mode", "deadlock"],
+                        script=PATTERNS)
+        assert a.wait(agent, 90) == 1, a.output(agent)
+        out = a.output(agent)
+    root = out.split("Root Cause (first observed failure):", 1)[1].split("Other Failures:")[0]
+    assert "message   : hung: no heartbeat for" in root and "waits in a collective" in root, root
+    assert "exitcode  : -15 (signal SIGTERM" in root, root
+
+
+def test_an_untimed_section_on_another_node_holds_the_verdict(tmp_path: Any) -> None:
+    """Two nodes, one rank each: rank 0 (node 1) evaluates 6 s in an untimed section, rank 1
+    (node 2) waits in ``dist.barrier()``. Node 2 sees only a rank that waits in a collective;
+    node 1's progress entry in the store (the open section) holds its verdict: both finish."""
+    d, port = str(tmp_path), free_port()
+    flags = ["--heartbeat-timeout", "2", "--max-restarts", "0"]
+    train = ["--dir", d, "--mode", "eval", "--eval", "6"]
+    with agents(d) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "2", 1, *flags), train, script=PATTERNS, name="n1")
+        n2 = a.start(node_flags("127.0.0.3", port, "2", 1, *flags), train, script=PATTERNS, name="n2")
+        assert a.wait(n2, 120) == 0, a.output(n2)
+        assert a.wait(n1, 120) == 0, a.output(n1)
+        out2 = a.output(n2)
+    assert "hung:" not in out2 and "1 round(s)" in out2, out2
+    assert "no verdict while rank 0 on 127.0.0.2 is in section 'eval' (no timeout)" in out2, out2

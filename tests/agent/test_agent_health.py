@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -328,3 +329,27 @@ def test_sigterm_during_the_check_exits_at_once_and_kills_it(tmp_path: Any) -> N
         assert "got SIGTERM during the health check" in a.output(n1)
         assert not alive(pid), "the check's process outlived the agent"
         assert took < 10.0  # the check itself would run 600 s
+
+
+@pytest.mark.slow
+def test_a_check_that_keeps_failing_gives_up_after_the_join_timeout(tmp_path: Any) -> None:
+    """``--health-check-cmd`` that always fails, ``join_timeout=6``: checks until 6 s after the
+    first began (the last wait cut to end then), then exit 1 with a message naming the check and
+    its last output, instead of retrying every 60 s without end."""
+    port = free_port()
+    cmd = "echo 'GPU 0: fell off the bus' >&2; exit 3"
+    with agents(str(tmp_path)) as a:
+        started = time.monotonic()
+        n1 = a.start(node_flags("127.0.0.2", port, "1", 1, "--rdzv-conf", "join_timeout=6",
+                                "--health-check-cmd", cmd), name="n1")
+        code = a.wait(n1, 40)
+        took = time.monotonic() - started
+        out = a.output(n1)
+    print(f"a node failing its check, join_timeout=6: exited {code} after {took:.1f}s")
+    assert code == 1, out
+    assert "health check failed: " in out and "retrying in" in out, out
+    last = out.strip().splitlines()[-2]
+    assert last.startswith("[elasticstore-run] HealthCheckFailed: health check " + repr(cmd)), out
+    assert re.search(r"failed [2-9] time\(s\) in 6s \(join_timeout\): not joining; last: ", last), last
+    assert last.endswith("failed with exit code 3: GPU 0: fell off the bus"), last
+    assert "round " not in out

@@ -39,13 +39,14 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 
 from ..rendezvous.api import AgentRendezvous, as_agent_rendezvous
 from ..rendezvous.closing import FINISHED
-from . import drain, health
+from . import drain
 from .config import AgentSettings
 from .envs import worker_argv, worker_env
 from .events import EventLog
-from .failures import Failure, failure_of, summary
+from .failures import Failure, exits_of, failure_of, summary
 from .forkclient import ForkServer, settle_preloads
 from .hangs import Hang, HangWatch
+from .health import HealthGate
 from .logs import open_rank_log, rank_relay, say
 from .rounds import RendezvousCall, assign, say_moves
 from .roundwatch import RoundWatcher
@@ -103,8 +104,13 @@ class Agent:
             say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
         self._snapshots = SnapshotArea(self.s.run_id)  # kept across rounds, removed at the end
         self._hangs = HangWatch(self._snapshots.path or tempfile.gettempdir(), self.s.nproc,
-                                self.s.heartbeat_timeout, self.s.first_heartbeat_timeout, self.s.host)
+                                self.s.heartbeat_timeout, self.s.first_heartbeat_timeout, self.s.host,
+                                self._peer_statuses)
         self._server = self._server_factory(self.s.warm)
+        self._health = HealthGate(
+            self.s.health, self.s.nproc,
+            {**os.environ, **dict(self.s.extra_env), "TORCHELASTIC_RUN_ID": self.s.run_id},
+            self.events, self.handler, self._sig_r, self._live_server, self._clock)
         code = 1
         try:
             code = self._loop()
@@ -147,7 +153,8 @@ class Agent:
 
     def _loop(self) -> int:
         for _ in range(1 << 30):
-            sig, t0 = health.gate(self), self._clock()  # health.py: checks this node when due
+            # health.py: checks this node when due
+            sig, t0 = self._health.gate(self._rounds, self._failures_used), self._clock()
             info = sig or self._rendezvous()
             if isinstance(info, int):
                 return 128 + info
@@ -175,6 +182,10 @@ class Agent:
                 return 128 + detail
             stopped = self._stop_group(signal.SIGTERM)
             if outcome == _FAILED:
+                real = exits_of(self._failures, stopped)  # a hung rank's real signal
+                if real != self._failures:
+                    self._failures = real
+                    self.events.failure(real)
                 # As torchrun: the report lists the workers stopped because of the failure too.
                 self._failures += [failure_of(w, self.s.host) for w in stopped if w.exit_code
                                    not in (None, 0) and w.pid not in {f.pid for f in self._failures}]
@@ -205,12 +216,7 @@ class Agent:
         return (attempt, *assign(info, attempt, self.s.nproc))
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
-        assert self._server is not None
-        if not self._server.alive():
-            say("[elasticstore-run] the fork server died: starting a new one")
-            self._server.close()
-            self._server = self._server_factory(self.s.warm)
-        self._server = settle_preloads(self._server, self.events)
+        self._server = settle_preloads(self._live_server(), self.events)
         root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
         self._hangs.new_round(attempt, multi_node=world > self.s.nproc)
         specs = []
@@ -240,6 +246,15 @@ class Agent:
                 self._server.close()
                 self._server = self._server_factory(self.s.warm)
 
+    def _live_server(self) -> ForkServer:
+        """The fork server, a new one when it died."""
+        assert self._server is not None
+        if not self._server.alive():
+            say("[elasticstore-run] the fork server died: starting a new one")
+            self._server.close()
+            self._server = self._server_factory(self.s.warm)
+        return self._server
+
     def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
         rnd = self.handler.round
         members = f" [{', '.join(rnd.participants)}]" if rnd is not None else ""
@@ -264,6 +279,8 @@ class Agent:
                     if (hang := self._hangs.check(self._group.running())) is not None:
                         return self._hung(hang)
                     self.events.ranks(self._hangs.report_due(self._group.workers))
+                    if (progress := self._hangs.progress_due(self._group.running())) is not None:
+                        self.events.publish(progress=progress)
                     for key, _ in sel.select(self._hangs.poll_interval()):
                         obj = key.fileobj
                         if obj is self._sig_r:
@@ -314,6 +331,10 @@ class Agent:
         self._failures = [hang.failure]
         self.events.failure(self._failures)
         return outcome
+
+    def _peer_statuses(self) -> list[dict[str, Any]]:
+        """The other nodes' status records (their progress entries: ``hangs.py``)."""
+        return self.handler.peer_statuses()
 
     def _num_waiting(self) -> int:
         try:

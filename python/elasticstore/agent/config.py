@@ -48,12 +48,16 @@ class HealthSettings:
     max_matmul_ms: float = MAX_MATMUL_MS  # the default check's limit (slowest rank's median); 0: none
     matmul_size: int = 512
     matmul_reps: int = 5
+    # How long a failing node keeps checking: the rendezvous' join_timeout (its default here).
+    join_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
             raise ValueError(f"health-check-timeout {self.timeout}: must be positive")
         if self.max_matmul_ms < 0:
             raise ValueError(f"health-check-max-matmul-ms {self.max_matmul_ms}: must be >= 0")
+        if not self.join_timeout > 0:
+            raise ValueError(f"join_timeout {self.join_timeout}: must be positive")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .workers import Worker, signal_name
 
-__all__ = ["Failure", "failure_of", "read_error_file", "summary"]
+__all__ = ["Failure", "exits_of", "failure_of", "read_error_file", "summary"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,14 @@ def failure_of(worker: Worker, host: str) -> Failure:
     when = wall if stamp is None or abs(stamp - wall) < 1.0 else stamp
     return Failure(spec.rank, spec.local_rank, host, worker.pid, worker.exit_code, when,
                    message, tb, spec.error_file)
+
+
+def exits_of(failures: list[Failure], stopped: list[Worker]) -> list[Failure]:
+    """``failures`` with the exit code each worker really had once stopped (a hang is reported
+    before its rank is stopped: SIGKILLed when hung itself, SIGTERMed with the group when it
+    waits on a peer)."""
+    codes = {w.pid: w.exit_code for w in stopped if w.exit_code is not None}
+    return [replace(f, exit_code=codes[f.pid]) if f.pid in codes else f for f in failures]
 
 
 def _block(f: Failure, index: int) -> list[str]:

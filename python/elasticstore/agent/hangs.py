@@ -7,8 +7,15 @@ one slot per local rank. A worker is judged only once it is known to beat:
 - after its first beat, by ``heartbeat_timeout`` (time since its last beat, or since it left a
   section); inside ``section(name, timeout)`` by that section's timeout instead (none: never);
 - before its first beat, by ``first_heartbeat_timeout`` (time since it started), and only once the
-  script is known to beat: a worker of this agent beat before, in this round or an earlier one.
-  A script that never calls ``heartbeat()`` is never judged.
+  script is known to beat (a worker of this agent beat before, in this round or an earlier one)
+  and while no rank of the job has beaten in this round: once one has, the job makes progress,
+  and a rank that never beats (a rank-0-only callback) is covered by the ones that do (they stop
+  beating when it hangs). A script that never calls ``heartbeat()`` is never judged.
+
+No verdict at all while a rank of the job is inside a section that has not expired: the others
+may be waiting for it in a collective (rank 0 evaluates, the others wait in a barrier). This
+node's ranks are read from the board; another node's from its progress entry in the store
+(``progress.py``), read only when a verdict is due.
 
 On a hang every local worker that registered its stack dump is asked for its Python stacks
 (``faulthandler`` on ``STACK_SIGNAL``, written to a file per worker). Every rank blocked on a hung
@@ -29,6 +36,7 @@ import mmap
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +52,7 @@ from ..train.heartbeat_layout import (
 )
 from .failures import Failure
 from .logs import open_rank_log, say
+from .progress import LONG_SHARE, PeerProgress, local_progress, open_section, public, same
 from .workers import Worker
 
 __all__ = ["Hang", "HangWatch", "waits_on_peers"]
@@ -119,11 +128,16 @@ class HangWatch:
     """The board of the current round and the judgement of its slots."""
 
     def __init__(self, directory: str, nproc: int, timeout: float | None,
-                 first_timeout: float | None, host: str) -> None:
+                 first_timeout: float | None, host: str,
+                 peers: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.dir, self.nproc, self.host = directory, nproc, host
         self.timeout, self.first_timeout = timeout, first_timeout
         self.multi_node = True
         self.beating_seen = False  # a worker of this agent has beaten (this round or before)
+        self.progressed = False  # a rank of the job has beaten in this round
+        self._peers = PeerProgress(peers)  # the other nodes' progress entries (progress.py)
+        self._published: dict[str, Any] | None = None
+        self._holding: str | None = None  # why no verdict is given now (said once)
         self._map: mmap.mmap | None = None
         self._files: list[str] = []
         self._round = 0
@@ -149,6 +163,7 @@ class HangWatch:
         self._files = [path]
         self._started = time.monotonic()
         self._deferred_until = None
+        self.progressed, self._published, self._holding = False, None, None
 
     def env(self, local_rank: int) -> dict[str, str]:
         if self._map is None:
@@ -202,9 +217,9 @@ class HangWatch:
                 return None
             return Silent(w, view, ran, f"section {view.section!r} ran {ran:.1f}s, over its "
                           f"timeout of {allowed:g}s (after step {view.beats})")
-        if view.beats == 0:
+        if view.beats == 0:  # judged only while no rank of the job has beaten in this round
             quiet = now_ns / 1e9 - self._started
-            if self.first_timeout is None or not self.beating_seen or \
+            if self.first_timeout is None or not self.beating_seen or self.progressed or \
                     quiet <= self.first_timeout * share:
                 return None
             return Silent(w, view, quiet, f"no first heartbeat {quiet:.1f}s after it started "
@@ -218,15 +233,35 @@ class HangWatch:
     def check(self, running: list[Worker]) -> Hang | None:
         """The hang among ``running``, if any (asks for stacks: call only when a verdict matters).
 
-        Once one worker is over its limit, every worker past ``SUSPECT_SHARE`` of its own is a
-        suspect too: ranks blocked in a collective on a hung peer went silent within a step of
-        it, and whichever crossed first, the stacks tell them apart."""
+        No verdict while a rank of the job is inside a section that has not expired (the others
+        may wait for it in a collective; a multi-node job asks the other nodes' progress entries,
+        ``progress.py``). Once one worker is over its limit, every worker past ``SUSPECT_SHARE``
+        of its own is a suspect too: ranks blocked in a collective on a hung peer went silent
+        within a step of it, and whichever crossed first, the stacks tell them apart."""
         if self._map is None or not self.enabled:
             return None
         now_ns = time.monotonic_ns()
-        if not any(self._silence(w, now_ns) is not None for w in running):
-            self._deferred_until = None
+        views = [(w.spec.rank, self._view(w)) for w in running]
+        if any(v.beats for _, v in views):
+            self.beating_seen = self.progressed = True
+        over = [s for w in running if (s := self._silence(w, now_ns)) is not None]
+        if over and self.multi_node and not self.progressed and \
+                all(s.view.beats == 0 for s in over) and self._peers.beaten(self._round):
+            self.progressed = True  # a rank elsewhere beats: the job makes progress
+            over = [s for s in over if s.view.beats > 0]
+        if not over:
+            self._deferred_until, self._holding = None, None
             return None
+        held = open_section(views, now_ns) or (
+            self._peers.open_section(self._round) if self.multi_node else None)
+        if held is not None:
+            self._deferred_until = None
+            if self._holding is None:
+                say(f"[elasticstore-run] rank {over[0].worker.spec.rank} silent ({over[0].why}): "
+                    f"no verdict while {held}")
+            self._holding = held
+            return None
+        self._holding = None
         if self._deferred_until is not None and time.monotonic() < self._deferred_until:
             return None
         silent = [s for w in running if (s := self._silence(w, now_ns, SUSPECT_SHARE)) is not None]
@@ -240,8 +275,29 @@ class HangWatch:
             return None  # every silent rank waits on a peer: the cause is likely on another node
         culprit = max(own or silent, key=lambda s: s.seconds)
         if not own:
-            culprit.why += " (it waits in a collective: no rank of this node is hung itself)"
+            mute = [r for r, v in views if v.beats == 0 and not v.section_until_ns]
+            culprit.why += " (it waits in a collective: no rank of this node is hung itself" + (
+                f"; rank(s) {', '.join(map(str, mute))} never beat, so no stacks show where "
+                "they are)" if mute else ")")
         return self._verdict(silent, culprit, stacks)
+
+    def _view(self, w: Worker) -> SlotView:
+        view = self.slot(w.spec.local_rank)
+        assert view is not None
+        return view
+
+    def progress_due(self, running: list[Worker]) -> dict[str, Any] | None:
+        """This node's progress entry for its status record (``progress.py``) when it changed
+        (a multi-node job only: nobody else reads it); else None."""
+        limit = self.timeout or self.first_timeout
+        if self._map is None or not self.multi_node or limit is None:
+            return None
+        entry = local_progress(self._round, [(w.spec.rank, self._view(w)) for w in running],
+                               limit * LONG_SHARE, time.monotonic_ns())
+        if same(self._published, entry):
+            return None
+        self._published = entry
+        return public(entry)
 
     def _take_stacks(self, running: list[Worker]) -> dict[int, str]:
         """Asks every local worker that can for its stacks; {pid: text} (stopped ones: a note)."""

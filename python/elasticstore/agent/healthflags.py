@@ -45,9 +45,10 @@ def _number(flag: str, text: str, error: Callable[[str, str], Exception], zero: 
     return value
 
 
-def health_settings(args: argparse.Namespace,
-                    error: Callable[[str, str], Exception]) -> HealthSettings:
-    """The parsed flags -> settings; ``error(flag, reason)`` is raised for a bad value."""
+def health_settings(args: argparse.Namespace, error: Callable[[str, str], Exception],
+                    join_timeout: float = 600.0) -> HealthSettings:
+    """The parsed flags -> settings; ``error(flag, reason)`` is raised for a bad value.
+    ``join_timeout`` (the rendezvous') bounds how long a failing node keeps checking."""
     command = args.health_check_cmd
     if command is not None and not str(command).strip():
         raise error("--health-check-cmd", "empty command")
@@ -65,4 +66,4 @@ def health_settings(args: argparse.Namespace,
             raise error("--health-check-max-matmul-ms", "applies to the default check only "
                         "(--health-check without --health-check-cmd)")
     return HealthSettings(enabled=enabled, command=str(command) if command is not None else None,
-                          timeout=timeout, max_matmul_ms=max_ms)
+                          timeout=timeout, max_matmul_ms=max_ms, join_timeout=join_timeout)

@@ -107,6 +107,25 @@ class AgentSide:
             if failure is not None:
                 self._backend.set(self._keys.failure, self._carried.failure or b"")
 
+    def peer_statuses(self) -> list[dict[str, object]]:
+        """The other nodes' status records (JSON objects; a record that does not parse is left
+        out): the hang verdict reads what the others' ranks do (``agent/progress.py``)."""
+        if self._lost is not None:
+            return []
+        out: list[dict[str, object]] = []
+        with self._guard():
+            for key in self._backend.list(self._keys.status_nodes):
+                if key.rsplit("/", 1)[-1] == self._node:
+                    continue
+                raw = self._backend.get(key)
+                try:
+                    record = json.loads(raw) if raw else None
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    out.append(record)
+        return out
+
     def watch_round(self) -> RoundWatch | EndedWatch | None:
         """A watch on the current round's end (what ``num_nodes_waiting()`` reports), on a
         connection of its own; None outside a round."""

@@ -129,6 +129,10 @@ class AgentRendezvous(Protocol):
         back nor count it as waiting; the next ``next_rendezvous`` brings it back. A few store
         writes; nothing to do for a backend that keeps no liveness keys."""
 
+    def peer_statuses(self) -> list[dict[str, object]]:
+        """The other nodes' status records (``publish_status``) as they are now: one listing
+        and one read per node; [] for a backend that keeps none. Raises like ``is_closed``."""
+
 
 class PollWatch:
     """A round watch for a handler without one: asks ``num_nodes_waiting()`` every
@@ -226,6 +230,9 @@ class BasicRendezvous:
 
     def step_aside(self) -> None:
         return None
+
+    def peer_statuses(self) -> list[dict[str, object]]:
+        return []
 
 
 def as_agent_rendezvous(handler: RendezvousHandler | AgentRendezvous,
