@@ -225,6 +225,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     except ValueError as exc:
         flag, _, reason = str(exc).partition(" ")
         raise UsageError(flag, reason) from None
+    if args.log_layout not in ("elasticstore", "torchrun"):
+        raise UsageError("--log-layout", f"{args.log_layout!r}: expected elasticstore "
+                         "(<run_id>/attempt_N/<rank>) or torchrun (<run_id>_<random>/attempt_N/<local rank>)")
     kind = "exec" if args.no_python and not args.run_path else ("module" if args.module else "script")
     if args.no_python and args.module:
         raise UsageError("--no-python", "cannot be combined with --module")
@@ -235,7 +238,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         preload_imports=not args.no_preload_imports, role=str(args.role),
         max_restarts=_int("--max-restarts", args.max_restarts), monitor_interval=monitor,
         shutdown_timeout=float(_int("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
-        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter,
+        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, log_layout=str(args.log_layout),
+        log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,
         event_log_handler=event_log_handler, metrics_port=metrics_port,

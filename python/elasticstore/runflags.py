@@ -90,7 +90,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
         "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
         "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
         "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
-        "--log-dir": None, "--local-ranks-filter": "", "--node-rank": "0",
+        "--log-dir": None, "--log-layout": "elasticstore", "--local-ranks-filter": "", "--node-rank": "0",
         "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
         "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
         "--event-log-handler": "null", "--metrics-port": None, "--metrics-addr": "127.0.0.1",

@@ -47,7 +47,7 @@ from .failures import Failure, exits_of, failure_of, summary
 from .forkclient import ForkServer, settle_preloads
 from .hangs import Hang, HangWatch
 from .health import HealthGate
-from .logs import open_rank_log, rank_relay, say
+from .logs import open_rank_log, rank_output, run_log_dir, say
 from .rounds import RendezvousCall, assign, say_moves
 from .roundwatch import RoundWatcher
 from .snapshots import SnapshotArea
@@ -78,6 +78,7 @@ class Agent:
         # Per-rank files: under --log-dir, else (as torchrun's) under the temporary directory for -r/-t.
         redirected = any(settings.redirects.values()) or any(settings.tee.values())
         self._log_root = settings.log_dir or (self._tmp if redirected else None)
+        self._run_dir: str | None = None  # below the log root: <run_id> or <run_id>_<random>
         self._failures_used = self._local_attempts = self._rounds = 0
         self._moves_seen = 0  # the handler's store_moves said already
         self._failures: list[Failure] = []
@@ -217,12 +218,15 @@ class Agent:
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         self._server = settle_preloads(self._live_server(), self.events)
-        root = os.path.join(self._log_root or self._tmp or ".", self.s.run_id, f"attempt_{attempt}")
+        logs = self._log_root or self._tmp or "."
+        if self._run_dir is None:
+            self._run_dir = run_log_dir(logs, self.s.run_id, self.s.log_layout)
+        root = os.path.join(logs, self._run_dir, f"attempt_{attempt}")
         self._hangs.new_round(attempt, multi_node=world > self.s.nproc)
         specs = []
         for local in range(self.s.nproc):
             rank = base + local
-            rank_dir = os.path.join(root, str(rank))
+            rank_dir = os.path.join(root, str(local if self.s.log_layout == "torchrun" else rank))
             if self._log_root:  # checked before any worker starts: a refused path starts none
                 for stream in ("stdout", "stderr"):
                     os.close(open_rank_log(self._log_root, rank_dir, f"{stream}.log"))
@@ -236,7 +240,7 @@ class Agent:
         for tries in range(2):
             self._group = WorkerGroup(self._server, self._clock)
             try:
-                self._group.start(specs, os.getcwd(), functools.partial(rank_relay, self.s, self._log_root))
+                self._group.start(specs, os.getcwd(), functools.partial(rank_output, self.s, self._log_root))
                 return
             except (RuntimeError, OSError) as exc:
                 self._stop_group(signal.SIGKILL)

@@ -79,6 +79,11 @@ class AgentSettings:
     redirects: dict[int, int] = field(default_factory=dict)  # local rank -> Std bits
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: frozenset[int] | None = None  # console: only these local ranks
+    # log_dir/<run_id>/attempt_N/<rank>/ ("elasticstore"), or torchrun's
+    # log_dir/<run_id>_<random>/attempt_N/<local rank>/ ("torchrun")
+    log_layout: str = "elasticstore"
+    # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: the console prefix (${role_name}, ${rank}, ${local_rank})
+    log_line_prefix_template: str | None = None
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     extra_env: tuple[tuple[str, str], ...] = ()  # e.g. OMP_NUM_THREADS chosen by the launcher
     legacy_local_rank_arg: bool = False  # launch.py without --use-env: --local-rank=N
@@ -98,5 +103,7 @@ class AgentSettings:
             raise ValueError(f"nproc-per-node {self.nproc}: must be at least 1")
         if self.max_restarts < 0:
             raise ValueError(f"max-restarts {self.max_restarts}: must be >= 0")
+        if self.log_layout not in ("elasticstore", "torchrun"):
+            raise ValueError(f"log-layout {self.log_layout!r}: expected elasticstore or torchrun")
         if self.kind not in ("script", "module", "exec"):
             raise ValueError(f"kind {self.kind!r}")

@@ -1,10 +1,12 @@
-"""Worker output: per-rank files and the agent's console, whole lines only.
+"""Worker output: per-rank files and the agent's console.
 
-Each worker's stdout and stderr are pipes read by a thread of the agent (``LogRelay``). A line goes
-to ``<attempt dir>/<rank>/{stdout,stderr}.log`` when there is a log directory and to the agent's
-console prefixed ``[host:rank]`` unless redirected (``-r``) without ``--tee``, or filtered out by
-``--local-ranks-filter``. Console writes take one lock per line, so lines of different workers
-never interleave mid-line.
+Each worker's stdout and stderr are read by a thread of the agent (``LogRelay``). What it reads
+goes to ``<attempt dir>/<rank>/{stdout,stderr}.log`` when there is a log directory and to the
+agent's console unless redirected (``-r``) without ``--tee``, or filtered out by
+``--local-ranks-filter``: through a pipe as whole prefixed lines, or through a pseudo-terminal
+when the launcher's stream is a terminal (``console.py``). The prefix: ``[host:rank] ``;
+torchrun's ``[<role><local rank>]:`` for a teed stream; ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``
+when set.
 
 The files sit at fixed paths under the log directory, so they are opened without following
 symbolic links below it (``open_log``): a link planted at ``<run_id>/attempt_0`` or at a
@@ -18,14 +20,17 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from string import Template
+from typing import Any
 
-__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "open_log", "open_rank_log", "parse_std",
-           "rank_relay", "say"]
+from .console import LOCK, ConsoleWriter, Sink, end_partial, open_pty
 
-_CONSOLE_LOCK = threading.Lock()
+__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "console_prefix", "open_log",
+           "open_rank_log", "parse_std", "rank_output", "run_log_dir", "say"]
+
 _MAX_LINE = 1 << 16  # a longer line is written in pieces of this size
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -103,22 +108,34 @@ def open_log(base: str, parts: Sequence[str], name: str) -> int:
 
 
 class LogRelay:
-    """Copies one pipe to a file and/or the console until EOF, in a thread of its own.
+    """Copies one worker stream to its file and/or the console until EOF, in a thread of its own:
+    whole lines from a pipe, or (``terminal``) what comes, as it comes, from a pseudo-terminal.
 
     ``file_fd`` (owned by the relay from here on) is written with ``os.write``; ``label`` names
     it in the one line that reports a failed write."""
 
-    def __init__(self, fd: int, prefix: str, file_fd: int | None, console: BinaryIO | None,
-                 label: str = "log file") -> None:
+    def __init__(self, fd: int, console: ConsoleWriter | None, file_fd: int | None,
+                 label: str = "log file", terminal: bool = False) -> None:
         self._fd = fd
-        self._prefix = prefix.encode()
         self._file = file_fd
         self._label = label
         self._console = console
-        self._thread = threading.Thread(target=self._run, name=f"log {prefix}", daemon=True)
+        self._terminal = terminal
+        self._thread = threading.Thread(target=self._run, name=f"log {label}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            if self._terminal:
+                self._chunks()
+            else:
+                self._lines()
+        finally:
+            self._close_file()
+            if self._console is not None:
+                self._console.close()
+
+    def _lines(self) -> None:
         try:
             with os.fdopen(self._fd, "rb", buffering=1 << 16) as pipe:
                 for _ in range(1 << 62):
@@ -129,14 +146,28 @@ class LogRelay:
                     self._to_console(line)
         except (OSError, ValueError):  # the pipe itself failed: nothing left to drain
             pass
-        finally:
-            self._close_file()
 
-    def _to_file(self, line: bytes) -> None:
+    def _chunks(self) -> None:
+        try:
+            for _ in range(1 << 62):
+                try:
+                    data = os.read(self._fd, _MAX_LINE)
+                except InterruptedError:
+                    continue
+                except OSError:  # EIO: every process holding the terminal's other end is gone
+                    return
+                if not data:
+                    return
+                self._to_file(data)
+                self._to_console(data)
+        finally:
+            os.close(self._fd)
+
+    def _to_file(self, data: bytes) -> None:
         if self._file is None:
             return
         try:
-            view = memoryview(line)
+            view = memoryview(data)
             while view:
                 view = view[os.write(self._file, view):]
         except OSError as exc:
@@ -144,16 +175,15 @@ class LogRelay:
             say(f"[elasticstore-run] {self._label}: {exc.strerror or exc}: the rest of this "
                 "stream is not written to it (the worker runs on)")
 
-    def _to_console(self, line: bytes) -> None:
+    def _to_console(self, data: bytes) -> None:
         if self._console is None:
             return
-        if not line.endswith(b"\n"):
-            line += b"\n"
         try:
-            with _CONSOLE_LOCK:
-                self._console.write(self._prefix + line)
-                self._console.flush()
-        except (OSError, ValueError):  # the console is gone: keep draining the pipe
+            if self._terminal:
+                self._console.chunk(data)
+            else:
+                self._console.line(data)
+        except (OSError, ValueError):  # the console is gone: keep draining
             self._console = None
 
     def _close_file(self) -> None:
@@ -165,15 +195,26 @@ class LogRelay:
         self._thread.join(timeout)
 
 
-def console_for(stream: str) -> BinaryIO:
-    return sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+def console_for(stream: str) -> Sink:
+    """The launcher's ``stream`` as it is now (a caller may have put a ``StringIO`` there)."""
+    return Sink(sys.stdout if stream == "stdout" else sys.stderr)
 
 
 def say(text: str) -> None:
     """An agent's own line on its console (stderr), never inside a worker's line."""
-    with _CONSOLE_LOCK:
+    with LOCK:
+        end_partial(None)
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+def run_log_dir(root: str, run_id: str, layout: str) -> str:
+    """The run's directory below ``root``: ``<run_id>``, or for torchrun's layout a fresh
+    ``<run_id>_<random>`` (as torch's ``DefaultLogsSpecs``: one per launcher)."""
+    if layout != "torchrun":
+        return run_id
+    os.makedirs(root, exist_ok=True)
+    return os.path.basename(tempfile.mkdtemp(prefix=f"{run_id}_", dir=root))
 
 
 def open_rank_log(log_root: str, rank_dir: str, name: str) -> int:
@@ -183,13 +224,41 @@ def open_rank_log(log_root: str, rank_dir: str, name: str) -> int:
     return open_log(log_root, parts, name)
 
 
-def rank_relay(s: Any, log_root: str | None, spec: Any, stream: str, fd: int) -> LogRelay:
-    """The relay of one worker's ``stream``: to its log file and (unless redirected, or filtered
-    out by --local-ranks-filter) to the launcher's console, prefixed ``[host:rank]``."""
-    local, rank, rank_dir = spec.local_rank, spec.rank, spec.log_dir
-    quiet = Std.has(s.redirects.get(local, 0), stream) and not Std.has(s.tee.get(local, 0), stream)
+def console_prefix(s: Any, spec: Any, teed: bool) -> str:
+    """``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``, ``${rank}``, ``${local_rank}``)
+    when set; else torchrun's ``[<role><local rank>]:`` for a teed stream (``-t``), else
+    ``[host:rank] ``."""
+    if s.log_line_prefix_template:
+        return Template(s.log_line_prefix_template).safe_substitute(
+            role_name=s.role, rank=spec.rank, local_rank=spec.local_rank)
+    if teed:
+        return f"[{s.role}{spec.local_rank}]:"
+    return f"[{s.host}:{spec.rank}] "
+
+
+def rank_output(s: Any, log_root: str | None, spec: Any, stream: str) -> tuple[int, LogRelay]:
+    """One worker stream: (the descriptor the worker writes to, the relay reading it). To its log
+    file, and (unless redirected without tee, or filtered out by --local-ranks-filter) to the
+    launcher's console: through a pseudo-terminal when that is a terminal and the stream is
+    neither redirected nor teed (the worker then sees a terminal, as under torchrun), else through
+    a pipe, whole lines (``console.py``)."""
+    local, rank_dir = spec.local_rank, spec.log_dir
+    redirected = Std.has(s.redirects.get(local, 0), stream)
+    teed = Std.has(s.tee.get(local, 0), stream)
     shown = s.local_ranks_filter is None or local in s.local_ranks_filter
+    label = os.path.join(rank_dir or ".", f"{stream}.log")
     file_fd = open_rank_log(log_root, rank_dir, f"{stream}.log") if rank_dir and log_root else None
-    console = console_for(stream) if shown and not quiet else None
-    return LogRelay(fd, f"[{s.host}:{rank}] ", file_fd, console,
-                    os.path.join(rank_dir or ".", f"{stream}.log"))
+    try:
+        sink = console_for(stream) if shown and (teed or not redirected) else None
+        writer = None if sink is None else ConsoleWriter(sink, console_prefix(s, spec, teed))
+        terminal = sink is not None and sink.tty and not teed and not redirected
+        if terminal:
+            assert writer is not None
+            reader, theirs = open_pty(sink.fileno if sink else None, len(writer.prefix))
+        else:
+            reader, theirs = os.pipe()
+    except BaseException:
+        if file_fd is not None:
+            os.close(file_fd)
+        raise
+    return theirs, LogRelay(reader, writer, file_fd, label, terminal)

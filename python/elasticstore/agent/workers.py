@@ -83,22 +83,28 @@ class WorkerGroup:
         self.workers: list[Worker] = []
 
     def start(self, specs: list[WorkerSpec], cwd: str,
-              relay: Callable[[WorkerSpec, str, int], LogRelay]) -> None:
+              output: Callable[[WorkerSpec, str], tuple[int, LogRelay]]) -> None:
+        """``output(spec, stream)``: the descriptor the worker writes ``stream`` to (a pipe or a
+        pseudo-terminal) and the relay that reads it (``logs.rank_output``)."""
         for spec in specs:
             os.makedirs(os.path.dirname(spec.error_file), exist_ok=True)
             if os.path.exists(spec.error_file):
                 os.unlink(spec.error_file)
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
+            out_w, out_relay = output(spec, "stdout")
+            try:
+                err_w, err_relay = output(spec, "stderr")
+            except BaseException:
+                os.close(out_w)
+                raise
             try:
                 pid, status = self._server.start(
                     spec.argv, spec.env, cwd, spec.kind, out_w, err_w, stdin=_stdin()
                 )
-            finally:
+            finally:  # the relays end at EOF, also when the worker never started
                 os.close(out_w)
                 os.close(err_w)
             worker = Worker(spec, pid, status, self._clock())
-            worker.relays = [relay(spec, "stdout", out_r), relay(spec, "stderr", err_r)]
+            worker.relays = [out_relay, err_relay]
             self.workers.append(worker)
 
     def register(self, sel: selectors.BaseSelector) -> None:
