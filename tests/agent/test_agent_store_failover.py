@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from agent_nodes import agents, assert_gone, events, free_port, until
+from step_log import STEPS_TRAIN, groups, overlaps, trained_since
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +93,109 @@ def _status(endpoints: str) -> dict[str, Any]:
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout)
     return result
+
+
+# -- issue 26 A: the switch at once, one host per epoch, a restarted host, a silent host ----------
+
+def _steps_flags(addr: str, port: int, nnodes: str, *extra: str) -> list[str]:
+    return _flags(addr, port, nnodes, "--rdzv-conf", "join_timeout=40", *extra)
+
+
+def _start_steps(a: Any, i: int, port: int, nnodes: str, workdir: str, name: str | None = None,
+                 term_delay: float = 0.0, conf: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    env = {"ELASTICSTORE_TEST_NODE": ADDRS[i], "STEPS_TERM_DELAY": str(term_delay)}
+    return a.start(_steps_flags(ADDRS[i], port, nnodes, *conf), ["--dir", workdir],
+                   name=name or f"n{i + 1}", env=env, script=STEPS_TRAIN)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def _finish(a: Any, procs: list[subprocess.Popen[bytes]], workdir: str) -> None:
+    a.release()
+    for proc in procs:
+        assert a.wait(proc, 90) == 0, a.output(proc)
+    bad = overlaps(groups(workdir))
+    assert not bad, "two groups trained at once: " + "; ".join(
+        f"{x.describe()} | {y.describe()}" for x, y in bad)
+
+
+def test_slow_stopping_first_candidate_still_hosts_next(tmp_path: object) -> None:
+    """Issue 26 A1: the first candidate's workers take 15 s to exit on SIGTERM; it serves the
+    next epoch at once (not after stopping them), so the third node is not passed over to host a
+    second store of the same epoch: one round of world size 4, exit 0."""
+    workdir, port = str(tmp_path), free_port()
+    with agents(workdir) as a:
+        nodes = [_start_steps(a, i, port, "2:3", workdir, term_delay=15.0 if i == 1 else 0.0)
+                 for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 6), 180, "3 nodes x 2 workers training")
+        killed_at = time.time()
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        until(lambda: trained_since(workdir, killed_at, 4), 60, "the survivors training at world size 4")
+        for proc in nodes[1:]:
+            out = a.output(proc)
+            assert f"moved from {ADDRS[0]}:{port} to {ADDRS[1]}:{port} (epoch 2)" in out, out
+        _finish(a, nodes[1:], workdir)
+
+
+def test_host_restarted_early_joins_the_survivors(tmp_path: object) -> None:
+    """Issue 26 A2: the host is SIGKILLed and restarted 1 s later with the same command line while
+    the first candidate still stops its workers (12 s here: the window must outlast the restarted
+    agent's start on a loaded machine): it must not host a fresh store and train
+    alone beside the survivors; it joins them (or waits) and the job finishes, exit 0."""
+    workdir, port = str(tmp_path), free_port()
+    conf = ("--rdzv-conf", "last_call_timeout=2")
+    with agents(workdir) as a:
+        nodes = [_start_steps(a, i, port, "1:3", workdir, term_delay=12.0 if i == 1 else 0.0,
+                              conf=conf) for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 6), 180, "3 nodes x 2 workers training")
+        killed_at = time.time()
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        time.sleep(1.0)
+        back = _start_steps(a, 0, port, "1:3", workdir, name="n1-back", conf=conf)
+        until(lambda: trained_since(workdir, killed_at + 1, 6), 90, "all three nodes training again")
+        out = a.output(back)
+        assert "world size 2;" not in out, out  # never a group of its own
+        _finish(a, [*nodes[1:], back], workdir)
+
+
+def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
+    """Issue 26 A3: the host (agent and workers) SIGSTOPped; with store_timeout=5 the survivors
+    train again at world size 4 within ~10 s (not after the round watch's 60 s slice)."""
+    workdir, port = str(tmp_path), free_port()
+    with agents(workdir) as a:
+        nodes = [_start_steps(a, i, port, "2:3", workdir, conf=("--rdzv-conf", "store_timeout=5"))
+                 for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 6), 180, "3 nodes x 2 workers training")
+        stopped = _tree(nodes[0].pid)
+        stopped_at = time.time()
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            until(lambda: trained_since(workdir, stopped_at, 4), 25,
+                  "the survivors training at world size 4 (store_timeout=5)")
+            took = trained_since(workdir, stopped_at, 4).first - stopped_at  # type: ignore[union-attr]
+            print(f"silent host -> survivors training at world size 4: {took:.1f}s")
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        _finish(a, nodes[1:], workdir)

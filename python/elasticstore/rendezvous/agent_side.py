@@ -5,6 +5,7 @@ and the end of a run (finished; serving until the others left or finished)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -17,6 +18,7 @@ from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
 from .failover import Carried, HostRecord
 from .settings import RendezvousSettings
+from .takeover import serve_early
 from .state import Keys, RoundState
 from .worker_store import peer_finished
 
@@ -39,6 +41,8 @@ class AgentSide:
     _lost: BaseException | None
     _shut: bool
     _alive: bool
+    _loss_lock: threading.Lock
+    _watch: RoundWatch | None  # the last round watch made (ended when the host is lost)
 
     def _guard(self) -> AbstractContextManager[None]:
         raise NotImplementedError
@@ -61,10 +65,19 @@ class AgentSide:
                 and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
     def _saw_loss(self, error: BaseException) -> None:
-        """A store call found the store gone: once a survivor may take it over, the next join
-        switches at once and no call waits on the lost host again."""
-        if self._lost is None and self._may_fail_over(error):
+        """A store call, the round watch, a ring watcher or the host probe (any thread) found
+        the store gone: once a survivor may take it over, the round is over (its watch ends),
+        the first candidate serves the next epoch at once (``takeover.serve_early``: not after
+        its agent stopped its workers), and the next join switches without waiting on the lost
+        host again."""
+        with self._loss_lock:
+            if self._lost is not None or not self._may_fail_over(error):
+                return
             self._lost = error
+        watch = self._watch
+        if watch is not None:
+            watch.end()
+        serve_early(self)  # type: ignore[arg-type]
 
     @property
     def round(self) -> RoundState | None:
@@ -135,8 +148,13 @@ class AgentSide:
         try:
             if self._lost is None:
                 with self._guard():
-                    return RoundWatch(self._backend.clone(), self._keys.restart(rnd.round),
-                                      self._saw_stop, self._saw_loss if self._fails_over else None)
+                    self._watch = watch = RoundWatch(
+                        self._backend.clone(), self._keys.restart(rnd.round), self._saw_stop,
+                        self._saw_loss if self._fails_over else None)
+                    watch.slice = min(watch.slice, self._settings.store_timeout)
+                    if self._lost is not None:  # lost meanwhile (the host probe)
+                        watch.end()
+                    return watch
         except RendezvousConnectionError:
             if self._lost is None:
                 raise

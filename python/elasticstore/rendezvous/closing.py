@@ -26,6 +26,7 @@ __all__ = ["FINISHED", "WAIT_SLICE", "EndedWatch", "RoundWatch", "closed_reason_
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
 WAIT_SLICE = 1.0  # seconds: the longest single watch while serving until the others left
+WATCH_SLICE = 10.0  # seconds: the longest single watch of a round's end (RoundWatch)
 FINISHED = "finished"  # the closing reason of a run whose workers succeeded
 
 
@@ -62,6 +63,17 @@ class RoundWatch:
         self._b, self._key, self._on_stop = backend, key, on_stop
         self._on_lost = on_lost  # told of a lost store, which then ends the round (failover.py)
         self._closed = False
+        self._ended = False  # end(): the store's host was found lost elsewhere (the host probe)
+        self.slice = WATCH_SLICE  # seconds of one watch: no reply within slice + store_timeout is a loss
+
+    def end(self) -> None:
+        """The round is over (its store's host is lost, as another thread found): ``wait``
+        returns True at once, now or when next called."""
+        self._ended = True
+        try:
+            self._b.close()
+        except Exception:
+            pass
 
     def _seen(self, value: bytes | None) -> bool:
         reason = stop_reason_of(value)
@@ -72,15 +84,19 @@ class RoundWatch:
     def wait(self, timeout: float) -> bool:
         """True once the round must be replaced; False after ``timeout`` s or when closed."""
         deadline = time.monotonic() + timeout
+        if self._ended:
+            return True
         try:
             rev = self._b.revision()
             value = self._b.get(self._key)
             if value is not None:
                 return self._seen(value)
             while (left := deadline - time.monotonic()) > 0:
-                event = self._b.watch(self._key, rev, left)
+                event = self._b.watch(self._key, rev, min(left, self.slice))
+                if self._ended:
+                    return True
                 if event is None:
-                    return False
+                    continue
                 rev = event.version
                 if event.key == self._key and event.kind == "set":
                     return self._seen(event.value)
@@ -89,6 +105,8 @@ class RoundWatch:
             value = self._b.get(self._key)
             return value is not None and self._seen(value)
         except StoreNetworkError as exc:
+            if self._ended:
+                return True
             if self._closed:  # close() ended the wait
                 return False
             if self._on_lost is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,8 @@ from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import Carried, HostRecord, endpoint_of
+from .follower import own_follower
+from .hostprobe import HostProbe, silent_after
 from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
@@ -75,6 +78,13 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._carried = Carried()  # what this node would seed a new store host with
         self._lost: BaseException | None = None  # the store's host was lost: switch at the next join
         self._moves: list[HostRecord] = []  # the switches of store host this node made
+        self._loss_lock = threading.Lock()
+        self._watch: RoundWatch | None = None
+        self._probe: HostProbe | None = None  # the store host's liveness probe (hostprobe.py)
+        self._early: threading.Thread | None = None  # serving the next epoch (takeover.serve_early)
+        self._early_backend: StoreBackend | None = None
+        self._follower = own_follower(settings, self._addr, self._keys, self._node,
+                                      backend.server is not None) if self._fails_over else None
         with self._guard():
             self._attach(backend)
             if self._fails_over and backend.server is not None:  # the first host: epoch 1
@@ -93,7 +103,10 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         else:
             self._ensure_alive()
         self._spare = backend.clone()
-
+        if self._fails_over and backend.server is None:  # a silent host noticed in seconds
+            host, port = parse_endpoint(backend.endpoint)
+            self._probe = HostProbe(host.strip("[]"), port, self._settings.store_token,
+                                    silent_after(self._settings.store_timeout), self._saw_loss)
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -161,6 +174,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
                 state = self._join(target, deadline)
                 if self._fails_over:  # what a new host would be seeded with (standbys too)
                     self._carried.refresh(self._backend.store, self._keys, state)
+                    if self._follower is not None:
+                        self._follower.record(self._carried)
                 rank = state.rank_of(self._node)
                 if rank is None:  # standby or too late: wait for the next round
                     target = state.round + 1
@@ -257,6 +272,10 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         spare, self._spare = self._spare, None
         if spare is not None:
             spare.close()
+        for part in (self._probe, self._follower, self._early_backend):
+            if part is not None:
+                part.stop() if isinstance(part, HostProbe) else part.close()
+        self._probe = self._follower = self._early_backend = None
         self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------

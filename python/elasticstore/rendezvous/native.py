@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
-from .failover import endpoint_of, find_host
+from .failover import HostRecord, endpoint_of, find_host
+from .follower import find_copy
 from .settings import RendezvousSettings
 from .state import Keys
 
@@ -33,6 +37,7 @@ RECONNECT = timedelta(seconds=3)  # how long a call retries connecting to a lost
 # The same where a survivor takes over a lost host's store (rdzv-conf failover, the default):
 # a server that is gone is taken for lost sooner, since the job goes on without it.
 FAILOVER_RECONNECT = timedelta(seconds=1)
+FIND_PERIOD = 0.5  # seconds between two looks for a run's next host (``_find_run``)
 
 
 class NativeBackend(StoreBackend[Store]):
@@ -96,15 +101,44 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
     return NativeBackend(store, endpoint_of(host, port), server)
 
 
+def _find_run(settings: RendezvousSettings) -> HostRecord | None:
+    """Where a node that starts (late, or the old host back) joins a run whose store moved: the
+    newest host record served among the endpoints, when it is newer than epoch 1. While a
+    follower (``follower.py``) holds a copy of a host record newer than every served one, the
+    run is alive but its host lost and the next one not serving yet: waits for it (up to
+    ``join_timeout``) instead of hosting a fresh epoch 1 beside the survivors. None: no store
+    moved and no run is alive without its host (the first entry's node hosts, as before)."""
+    keys, token, endpoints = Keys(settings.run_id), settings.store_token, settings.member_endpoints()
+    deadline = time.monotonic() + settings.join_timeout
+    told = False
+    for _ in range(1 << 20):
+        served = find_host(endpoints, keys, token)
+        if served is not None and served.epoch > 1:
+            return served
+        copy = find_copy(endpoints, keys, token)
+        if copy is None or (served is not None and served.epoch >= copy.epoch):
+            return None
+        if not told:
+            told = True
+            log.warning("rendezvous %s: the run is alive (a follower knows host %s, epoch %d) but "
+                        "no store serves it: waiting for the next host", settings.run_id,
+                        copy.endpoint, copy.epoch)
+        if time.monotonic() >= deadline:
+            raise RendezvousConnectionError(
+                f"rendezvous {settings.run_id!r}: the run is alive (its nodes know host "
+                f"{copy.endpoint}, epoch {copy.epoch}) but no node served its store within "
+                f"join_timeout {settings.join_timeout:g}s among {', '.join(settings.endpoints)}")
+        time.sleep(FIND_PERIOD)
+    return None
+
+
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     host = settings.address
     token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
     if settings.failover and len(settings.endpoints) > 1:
-        # A store that moved (its first host was lost): the newest host record among the
-        # endpoints that answer; a node that starts late, or comes back, joins it there.
-        moved = find_host(settings.member_endpoints(), Keys(settings.run_id), token)
-        if moved is not None and moved.epoch > 1:
+        moved = _find_run(settings)
+        if moved is not None:
             log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
             return connect_native_backend(settings, *moved.address)
     if _should_host(settings):

@@ -12,6 +12,8 @@ Keys of run ``R`` (relative to the backend's store)::
     rdzv/R/ctl/closed         the job is closed (JSON ``{"reason": ...}``, or ``1``)
     rdzv/R/ctl/host           native, agent-hosted: who hosts the store, its epoch (``failover``)
     rdzv/R/ctl/failover       native: the first round after a switch of host (``failover``)
+    rdzv/R/ctl/follower       native: a follower's copy of the host record (``follower``), only
+                              at a node's own endpoint, never in the served store
     status/R/node/{node}      an agent's status (JSON), for ``elasticstore status``
     status/R/failure          the last failure's root cause (JSON)
     beat/R/{node}             native: the node's heartbeat count, on its liveness key's session
@@ -139,6 +141,7 @@ class Keys:
         self.closed = self.ctl + "closed"
         self.host = self.ctl + "host"
         self.failover = self.ctl + "failover"
+        self.follower = self.ctl + "follower"
         self.status_prefix = f"status/{run_id}/"
         self.status_nodes = self.status_prefix + "node/"
         self.failure = self.status_prefix + "failure"

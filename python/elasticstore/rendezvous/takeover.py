@@ -10,6 +10,7 @@ with the next epoch; a candidate that does not is taken for lost too.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from .native import NativeBackend, connect_native_backend
 if TYPE_CHECKING:
     from .handler import ElasticRendezvousHandler
 
-__all__ = ["take_over"]
+__all__ = ["serve_early", "take_over"]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,18 @@ def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
     log.warning("rendezvous %s: lost the store's host %s (%s): the next host is chosen from "
                 "round %d", settings.run_id, old.endpoint, cause, carried.round.round)
     _detach(h)
+    early, h._early = h._early, None
+    if early is not None:  # serving already (or about to): see serve_early
+        early.join(2 * FAILOVER_WAIT)
+    ready, h._early_backend = h._early_backend, None
     carried.lost.add(old.node)
     epoch, port = old.epoch + 1, old.address[1]
     tried: list[str] = []
     for node in candidates(carried):
-        backend = _serve(h, epoch, port) if node == h._node else _reach(h, node, epoch, port)
+        if node == h._node:
+            backend = ready or _serve(h, epoch, port)
+        else:
+            backend = _reach(h, node, epoch, port)
         if backend is not None:
             break
         carried.lost.add(node)
@@ -102,6 +110,9 @@ def _detach(h: ElasticRendezvousHandler) -> None:
     heartbeat, h._heartbeat = h._heartbeat, None
     if heartbeat is not None:
         heartbeat.stop()
+    probe, h._probe = h._probe, None
+    if probe is not None:
+        probe.stop()
     h._alive = False
     spare, h._spare = h._spare, None
     for conn in (spare, h._backend):
@@ -112,12 +123,50 @@ def _detach(h: ElasticRendezvousHandler) -> None:
                 pass
 
 
+def serve_early(h: ElasticRendezvousHandler) -> None:
+    """Called where the loss is noticed (any thread): when this node is the first candidate,
+    it starts serving the next epoch now, in a thread of its own, so that stopping its workers
+    (which may take up to ``--shutdown-timeout``) neither delays the new host nor gets it
+    passed over; ``take_over`` then uses that store."""
+    carried = h._carried
+    old = carried.host
+    if old is None or carried.round is None or h._early is not None:
+        return
+    first = candidates(carried)[:1]
+    if first != [h._node]:
+        return
+    epoch, port = old.epoch + 1, old.address[1]
+
+    def run() -> None:
+        try:
+            h._early_backend = _serve(h, epoch, port)
+        except Exception as exc:
+            log.warning("rendezvous %s: serving the store at once failed: %s", h._settings.run_id, exc)
+
+    h._early = threading.Thread(target=run, name="rdzv-serve-next", daemon=True)
+    h._early.start()
+
+
 def _serve(h: ElasticRendezvousHandler, epoch: int, port: int) -> StoreBackend | None:
-    """This node is the candidate: a new server on its own address at the store's port, seeded
-    with the carried state; None when it cannot serve (the port is taken)."""
+    """This node is the candidate: a server on its own address at the store's port (its
+    follower's, already listening, when it has one), seeded with the carried state; None when
+    it cannot serve (the port is taken). Never a second host of one epoch: when another endpoint
+    serves the run with this epoch or a newer one already, this node joins it instead."""
     s = h._settings
+    others = [e for e in s.member_endpoints() if e != (h._addr, port)]
+    found = find_host(others, h._keys, s.store_token)
+    if found is not None and found.epoch >= epoch:
+        log.warning("rendezvous %s: %s serves the store already (epoch %d): joining it",
+                    s.run_id, found.endpoint, found.epoch)
+        return connect_native_backend(s, *found.address, first_wait=FAILOVER_WAIT)
+    follower, h._follower = h._follower, None
     try:
-        server = StoreServer(h._addr, port, token=s.store_token, torch_protocol=False)
+        if follower is not None and follower.server.address == endpoint_of(h._addr, port):
+            server = follower.promote()
+        else:
+            if follower is not None:
+                follower.close()
+            server = StoreServer(h._addr, port, token=s.store_token, torch_protocol=False)
     except Exception as exc:
         log.warning("cannot host the rendezvous store on %s: %s", endpoint_of(h._addr, port), exc)
         return None

@@ -1,0 +1,137 @@
+"""What a node of the endpoint list serves at its own endpoint while another node hosts the store.
+
+Every agent whose address is an ``--rdzv-endpoint`` entry (and that does not host the store there)
+listens at that entry with a small server of its own, the *follower*, that holds one record: a
+copy of the run's control records as this node last read them (the host record, hence the epoch,
+and the last round's number) under ``ctl/follower``. Two things rest on it (``failover.py``):
+
+- A node that starts (or comes back, the old host restarted with the same command line) finds
+  the run alive at a survivor even while no store serves it (its host is lost and the next one not
+  serving yet): it then waits for the next host instead of hosting a fresh epoch 1 beside the
+  survivors (:func:`find_copy`, used by ``native.create_native_backend``).
+- The first candidate's switch is immediate: its server is listening already; taking over seeds it
+  (``takeover.py``) and the node's follower role ends (:meth:`Follower.promote`).
+
+A follower's record is never a host record (``ctl/host``): a probe for the served store
+(:func:`failover.find_host`) never mistakes a copy for a host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from datetime import timedelta
+
+from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
+from ..stores.native.server import StoreServer
+from ..stores.native.store import Store
+from .failover import PROBE, Carried, HostRecord
+from .records import RecordError, int_field, parse_record
+from .settings import RendezvousSettings, numeric_host
+from .state import Keys
+
+__all__ = ["Follower", "find_copy", "own_follower", "start_follower"]
+
+log = logging.getLogger(__name__)
+
+class Follower:
+    """A server at this node's endpoint holding its copy of the run's control records."""
+
+    def __init__(self, server: StoreServer, store: Store, keys: Keys, node: str) -> None:
+        self.server, self._store, self._key, self._node = server, store, keys.follower, node
+        self._written: str | None = None
+
+    def record(self, carried: Carried) -> None:
+        """Writes this node's copy (host record, last round) when it changed; never raises."""
+        host, rnd = carried.host, carried.round
+        if host is None:
+            return
+        value = json.dumps({"schema": 1, "node": self._node, "host": json.loads(host.to_json()),
+                            "round": rnd.round if rnd is not None else 0}, separators=(",", ":"))
+        if value == self._written:
+            return
+        try:
+            self._store.set(self._key, value)
+            self._written = value
+        except Exception as exc:  # a local server: only a bug gets here
+            log.warning("follower record not written: %s", exc)
+
+    def promote(self) -> StoreServer:
+        """Hands the server over to serve the run's store (``takeover.py``): its copy goes, the
+        host record is seeded next."""
+        self._store.delete_key(self._key)
+        self._store.close()
+        return self.server
+
+    def close(self) -> None:
+        try:
+            self._store.close()
+        finally:
+            self.server.close()
+
+
+def start_follower(addr: str, port: int, keys: Keys, node: str, token: str | None) -> Follower | None:
+    """A follower at ``addr:port``, or None when that address is not this node's or is taken."""
+    try:
+        server = StoreServer(addr, port, token=token, torch_protocol=False)
+    except Exception as exc:
+        log.info("no follower at %s:%d: %s", addr, port, exc)
+        return None
+    try:
+        store = Store(addr, port, timeout=timedelta(seconds=10), connect_timeout=timedelta(seconds=5),
+                      token=token)
+    except BaseException:
+        server.close()
+        raise
+    return Follower(server, store, keys, node)
+
+
+def own_follower(settings: RendezvousSettings, addr: str, keys: Keys, node: str,
+                 hosting: bool) -> Follower | None:
+    """The follower of a node whose address is an ``--rdzv-endpoint`` entry (one of several),
+    unless it hosts the store there; None otherwise."""
+    if hosting or len(settings.endpoints) < 2:
+        return None
+    for host, port in settings.member_endpoints():
+        try:
+            if numeric_host(host) == addr:
+                return start_follower(addr, port, keys, node, settings.store_token)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _copy_of(data: bytes | None) -> HostRecord | None:
+    if data is None:
+        return None
+    try:
+        obj = parse_record(data, "a follower's record")
+    except RecordError as exc:
+        log.warning("ignoring %s", exc)
+        return None
+    if not isinstance(obj, dict) or int_field(obj, "schema", 0) != 1:
+        return None
+    return HostRecord.from_json(json.dumps(obj.get("host")).encode())
+
+
+def find_copy(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
+              probe: float = PROBE) -> HostRecord | None:
+    """The newest host record that a follower among ``endpoints`` holds a copy of: the run is
+    alive there (some agent of it runs), whether or not a store serves it now."""
+    best: HostRecord | None = None
+    wait = timedelta(seconds=probe)
+    key = keys.follower
+    for host, port in endpoints:
+        try:
+            socket.create_connection((host, port), timeout=probe).close()
+        except OSError:
+            continue
+        try:
+            with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
+                record = _copy_of(st.try_get(key))
+        except (StoreNetworkError, StoreTimeoutError, StoreError):
+            continue
+        if record is not None and (best is None or record.epoch > best.epoch):
+            best = record
+    return best

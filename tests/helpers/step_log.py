@@ -1,0 +1,73 @@
+"""Reads what ``programs/steps_train.py`` records and checks the property that matters for the
+store-host failover: under one run id, two groups never train in overlapping time."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+from paths import program
+
+STEPS_TRAIN = program("steps_train.py")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One worker group: the steps its ranks completed, as one interval."""
+
+    run: str
+    attempt: int
+    store: str
+    world: int
+    first: float  # the earliest step's start
+    last: float  # the latest step's end
+    steps: int
+    ranks: frozenset[int]
+    restarts: int
+    hosts: frozenset[str]
+
+    def describe(self) -> str:
+        return (f"attempt {self.attempt} store {self.store} world {self.world} ranks "
+                f"{sorted(self.ranks)}: {self.steps} steps in [{self.first:.3f}, {self.last:.3f}]")
+
+
+def groups(directory: str) -> list[Group]:
+    """Every group that completed a step, by (run, attempt, store), oldest first."""
+    found: dict[tuple[str, int, str], list[dict[str, object]]] = {}
+    for path in glob.glob(os.path.join(directory, "steps-*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n"):  # a line cut by a SIGKILL is not a step
+                    rec = json.loads(line)
+                    found.setdefault((str(rec["run"]), int(rec["attempt"]), str(rec["store"])),
+                                     []).append(rec)
+    out = []
+    for (run, attempt, store), recs in found.items():
+        worlds = {int(r["world"]) for r in recs}  # type: ignore[call-overload]
+        assert len(worlds) == 1, (run, attempt, store, worlds)
+        out.append(Group(run, attempt, store, worlds.pop(), min(float(r["t0"]) for r in recs),  # type: ignore[arg-type]
+                         max(float(r["t1"]) for r in recs), len(recs),  # type: ignore[arg-type]
+                         frozenset(int(r["rank"]) for r in recs),  # type: ignore[call-overload]
+                         max(int(r.get("restarts", 0)) for r in recs),  # type: ignore[call-overload]
+                         frozenset(str(r.get("host", "")) for r in recs)))
+    return sorted(out, key=lambda g: g.first)
+
+
+def overlaps(found: list[Group]) -> list[tuple[Group, Group]]:
+    """Pairs of groups of one run whose training intervals overlap (two groups at once)."""
+    bad = []
+    for i, a in enumerate(found):
+        for b in found[i + 1:]:
+            if a.run == b.run and a.first < b.last and b.first < a.last:
+                bad.append((a, b))
+    return bad
+
+
+def trained_since(directory: str, since: float, world: int | None = None) -> Group | None:
+    """A group that completed a step starting after ``since`` (of ``world`` when given)."""
+    for g in reversed(groups(directory)):
+        if g.last > since and (world is None or g.world == world):
+            return g
+    return None
