@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -52,7 +53,9 @@ from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host
 __all__ = ["ElasticRendezvousHandler", "RoundWatch"]
 
 log = logging.getLogger(__name__)
-_LOCAL_IDS = itertools.count()
+# Local ids start at a random number: inside a PID namespace every agent is pid 1, and containers
+# with host networking share the address; counting up keeps the handlers of one process apart.
+_LOCAL_IDS = itertools.count(secrets.randbits(40) << 16)
 
 
 class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
