@@ -163,3 +163,68 @@ def test_two_agents_as_pid_1_on_one_address_are_two_nodes(tmp_path: Path) -> Non
             stop_group(proc)
     found = results(workdir)
     assert sorted(found) == [0, 1] and {r["world"] for r in found.values()} == {2}, found
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[str]:
+    """A real 8 MiB tmpfs (a container's small /dev/shm), unmounted at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield str(mnt)
+        assert os.listdir(mnt) == [], f"left in the tmpfs: {os.listdir(mnt)}"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_larger_than_shm_goes_on_with_disk_checkpoints(tmp_path: Path,
+                                                                small_tmpfs: str) -> None:
+    """A 12 MiB state in an 8 MiB tmpfs: no bus error; one warning that names the bytes needed
+    and free and the fix; nothing of the rank's left in the area; the job finishes (exit 0) with
+    its disk checkpoints."""
+    workdir = str(tmp_path / "work")
+    os.mkdir(workdir)
+    ckpt = str(tmp_path / "ckpt")
+    with agents(workdir) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "1"],
+                        ["--dir", workdir, "--steps", "4", "--state-mib", "12",
+                         "--checkpoint-dir", ckpt, "--checkpoint-every", "2"],
+                        env={ROOT_ENV: small_tmpfs}, script=TRAIN)
+        code = a.wait(agent, 90)
+        out = a.output(agent)
+    assert code == 0, out[-4000:]
+    assert out.count("no room for a snapshot") == 1, out[-4000:]
+    warning = next(line for line in out.splitlines() if "no room for a snapshot" in line)
+    for words in ("bytes are free", "--shm-size", "emptyDir", ROOT_ENV, "disk checkpoints"):
+        assert words in warning, warning
+    r = results(workdir)[0]
+    assert r["names"] == [] and r["checkpoint"] == 4, r
+
+
+@pytest.mark.timeout(120)
+def test_lagging_disk_checkpoints_keep_snapshot_memory_bounded(tmp_path: Path,
+                                                               shm_root: str) -> None:
+    """1 MiB state, a disk checkpoint due every step, each save taking 0.3 s: the snapshot area
+    never holds more than KEEP_PER_RANK + 1 files (bytes likewise) for the rank; the writer says
+    it skips to the newest; the last step's checkpoint is written."""
+    workdir = str(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    with agents(workdir) as a:
+        agent = a.start(["--standalone", "--nproc-per-node", "1"],
+                        ["--dir", workdir, "--steps", "30", "--state-mib", "1",
+                         "--step-time", "0.02", "--checkpoint-dir", ckpt,
+                         "--checkpoint-every", "1", "--slow-disk", "0.3"],
+                        env={ROOT_ENV: shm_root}, script=TRAIN)
+        code = a.wait(agent, 90)
+        out = a.output(agent)
+    assert code == 0, out[-4000:]
+    r = results(workdir)[0]
+    print(f"most files {r['most_files']}, most bytes {r['most_bytes']}")
+    assert r["most_files"] <= KEEP_PER_RANK + 1, r
+    assert r["most_bytes"] <= (KEEP_PER_RANK + 1) * 1.25 * (1 << 20), r
+    assert "skipped: the writer is still on step" in out, out[-3000:]
+    assert r["checkpoint"] == 30, r

@@ -236,7 +236,7 @@ def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> No
     from torch import nn
 
     from elasticstore.train import KEEP_PER_RANK, SnapshotSettings, Snapshots
-    from elasticstore.train.snapshot_file import list_snapshots, read_snapshot
+    from elasticstore.train.snapshots.fileformat import list_snapshots, read_snapshot
 
     model = nn.Linear(3, 2)
 
@@ -259,7 +259,7 @@ def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> No
         assert [s for s, _, _ in list_snapshots(directory)] == [8, 9]
         restored = snaps.restore()
         assert restored is not None and (restored.step, restored.source) == (9, "memory")
-        _, again = read_snapshot(os.path.join(directory, "step-000000000009.local-0.snap"))
+        _, _, again = read_snapshot(os.path.join(directory, "step-000000000009.local-0.snap"))
         for got in (restored.state, again):
             want = state(9)
             assert got.keys() == want.keys()
@@ -285,7 +285,7 @@ def test_disk_checkpoints_written_in_the_background_hold_their_own_step(
     import torch
 
     from elasticstore.train import KEEP_PER_RANK, SnapshotSettings, Snapshots, load_checkpoint
-    from elasticstore.train.snapshot_file import list_snapshots
+    from elasticstore.train.snapshots.fileformat import list_snapshots
 
     directory = os.path.join(shm_root, "node")
     os.mkdir(directory)

@@ -22,7 +22,9 @@ from .checkpoint import (
 )
 from .heartbeats import heartbeat, section
 from .sampler import ElasticDistributedSampler
-from .snapshot import KEEP_PER_RANK, Restored, SnapshotSettings, Snapshots
+from .sharded import ShardedStateError
+from .snapshots import (KEEP_PER_RANK, Restored, SnapshotMismatchError, SnapshotSettings,
+                        SnapshotSpaceError, Snapshots)
 
 __all__ = [
     "Checkpoint",
@@ -30,7 +32,10 @@ __all__ = [
     "ElasticDistributedSampler",
     "KEEP_PER_RANK",
     "Restored",
+    "ShardedStateError",
+    "SnapshotMismatchError",
     "SnapshotSettings",
+    "SnapshotSpaceError",
     "Snapshots",
     "heartbeat",
     "list_checkpoints",

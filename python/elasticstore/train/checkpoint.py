@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .sharded import ShardedStateError, refuse_sharded, sharded_path
+
 __all__ = ["Checkpoint", "CheckpointConflictError", "list_checkpoints", "load_checkpoint", "load_checkpoint_from_any_rank",
            "save_checkpoint"]
 
@@ -38,6 +40,7 @@ class Checkpoint:
     step: int
     state: Any
     path: str
+    meta: Any = None  # what wrote it says about it (a snapshot's identity record), or None
 
 
 def _name(step: int) -> str:
@@ -69,7 +72,7 @@ class CheckpointConflictError(ValueError):
 
 
 def save_checkpoint(
-    directory: str | os.PathLike[str], state: Any, step: int, keep: int = 2
+    directory: str | os.PathLike[str], state: Any, step: int, keep: int = 2, *, meta: Any = None
 ) -> str:
     """Writes ``state`` (anything ``torch.save`` takes) as the checkpoint of ``step``, atomically;
     then keeps the newest ``keep`` checkpoints. Returns the file's path.
@@ -77,12 +80,17 @@ def save_checkpoint(
     Raises ``CheckpointConflictError`` before writing anything when the directory already holds a
     later step (a new run reusing a directory, or a resume from an older checkpoint): the new file
     would be the first one pruned, and a resume would load the later, unrelated step. Saving the
-    same step again replaces it."""
+    same step again replaces it.
+
+    Raises ``ShardedStateError`` for a state holding sharded tensors (``DTensor``,
+    ``ShardedTensor``): one rank's shards are not a checkpoint; use ``torch.distributed.checkpoint``.
+    ``meta``: plain data stored beside the state (``Checkpoint.meta``)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, not {step}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, not {keep}")
     directory = os.fspath(directory)
+    refuse_sharded(state, "save_checkpoint()")
     later = [s for s, _ in list_checkpoints(directory) if s > step]
     if later:
         raise CheckpointConflictError(
@@ -95,7 +103,10 @@ def save_checkpoint(
     tmp = os.path.join(directory, f".{_name(step)}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": _FORMAT, "step": step, "state": state}, f)
+            payload = {"format": _FORMAT, "step": step, "state": state}
+            if meta is not None:
+                payload["meta"] = meta
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -127,7 +138,7 @@ def _load_file(path: str, step: int, map_location: Any, weights_only: bool) -> C
         raise ValueError("not a checkpoint written by save_checkpoint")
     if payload.get("step") != step:
         raise ValueError(f"holds step {payload.get('step')!r}, its name says {step}")
-    return Checkpoint(step=step, state=payload["state"], path=path)
+    return Checkpoint(step=step, state=payload["state"], path=path, meta=payload.get("meta"))
 
 
 def load_checkpoint(
@@ -179,4 +190,9 @@ def load_checkpoint_from_any_rank(
     dist.broadcast_object_list(payload, src=global_src, group=group)
     received = payload[0]
     assert isinstance(received, Checkpoint)
+    where = sharded_path(received.state)
+    if where is not None:  # every rank got the same payload: every rank raises
+        raise ShardedStateError(
+            f"{received.path} (rank {src}'s) holds a sharded tensor at {where!r}: one rank's shard "
+            "cannot be handed to every rank. Use torch.distributed.checkpoint for sharded state")
     return received

@@ -59,7 +59,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from elasticstore.train import KEEP_PER_RANK, ElasticDistributedSampler, Snapshots
-    from elasticstore.train.snapshot_file import list_snapshots
+    from elasticstore.train.snapshots.fileformat import list_snapshots
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     dist.init_process_group("gloo")

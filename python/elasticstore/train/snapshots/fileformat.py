@@ -4,10 +4,16 @@ A snapshot is one file (or, without a snapshot directory, anonymous memory of th
 
     header | tensor data (each tensor 64-byte aligned) | pickled skeleton | spare capacity
 
-The skeleton is the state pickled with every plain strided tensor replaced by a reference
-(dtype, shape, offset): plain Python objects are pickled as they are, tensors are copied byte for
-byte into the data region (one ``copy_`` each, from any device). Reading maps the file and clones
-every tensor out of it, so the returned state shares no memory with the file.
+The skeleton is ``(identity, state)`` pickled, with every plain strided tensor replaced by a
+reference (dtype, shape, offset): plain Python objects are pickled as they are, tensors are
+copied byte for byte into the data region (one ``copy_`` each, from any device). The identity
+(``identity.py``) says whose state it is. Sharded tensors are refused while pickling
+(``ShardedStateError``), before any memory is touched. Reading maps the file and clones every
+tensor out of it, so the returned state shares no memory with the file.
+
+The file's blocks are reserved (``posix_fallocate``) before anything is copied into them: a
+memory file system (``/dev/shm``) without room then gives ``SnapshotSpaceError``, not a bus error
+when the copy touches a page the file system cannot supply.
 
 Writing is the hot path (every step): a buffer is reused for later snapshots, with room to spare
 (``_SLACK``) so that a state whose size varies a little is not remapped each time, and the tensor
@@ -31,9 +37,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["Buffer", "decode", "encode", "list_snapshots", "snapshot_name"]
+from .errors import SnapshotSpaceError
+from ..sharded import refuse_sharded, sharded_types
 
-_MAGIC = b"ESNAP\x00\x01\x00"
+__all__ = ["Buffer", "Encoded", "decode", "encode", "list_snapshots", "prepare", "read_snapshot",
+           "snapshot_name"]
+
+_MAGIC = b"ESNAP\x00\x02\x00"
 _HEADER = struct.Struct("<8sqQQQ")  # magic, step, data bytes, skeleton offset, skeleton bytes
 _ALIGN = 64  # every tensor's bytes start at a multiple of this (any dtype's alignment)
 _DATA = 64  # where the tensor data starts (after the header)
@@ -77,6 +87,11 @@ def _align(n: int) -> int:
 
 
 _Tensor = torch.Tensor
+_sharded: tuple[type, ...] = ()
+
+
+class _ShardedFound(Exception):
+    """A sharded tensor met while pickling (``prepare`` turns it into ``ShardedStateError``)."""
 
 
 def _copied(obj: Any) -> bool:
@@ -99,6 +114,8 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         # Not called for the built-in containers and scalars (unlike persistent_id): cheap.
         if type(obj) is not _Tensor or not _copied(obj):
+            if isinstance(obj, _sharded):
+                raise _ShardedFound
             return NotImplemented
         offset = _align(self.size)
         shape = tuple(obj.shape)
@@ -147,20 +164,47 @@ class Buffer:
         return buf
 
     def mapped(self, size: int) -> mmap.mmap:
-        """The memory, at least ``size`` bytes (remapped when it must grow, or shrink by half)."""
+        """The memory, at least ``size`` bytes (remapped when it must grow, or shrink by half).
+        A file's blocks are reserved first: ``SnapshotSpaceError`` when its file system lacks
+        room (the file keeps its former size)."""
         if self._mm is None or size > self.capacity or size < self.capacity // 2:
             capacity = -(-(size + size // _SLACK) // _PAGE) * _PAGE
             if self._mm is not None and capacity == self.capacity:
                 return self._mm
             self._unmap()
             if self._fd >= 0:
-                if capacity != self.capacity or os.fstat(self._fd).st_size != capacity:
+                have = os.fstat(self._fd).st_size
+                if capacity > have:
+                    self._reserve(have, capacity)
+                elif capacity < have:
                     os.ftruncate(self._fd, capacity)
                 self._mm = mmap.mmap(self._fd, capacity)
             else:
                 self._mm = mmap.mmap(-1, capacity)
             self.capacity = capacity
         return self._mm
+
+    def _reserve(self, have: int, capacity: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, capacity)
+        except OSError as err:
+            os.ftruncate(self._fd, have)  # give back what a partial reservation took
+            self.capacity = have
+            assert self.path is not None
+            directory = os.path.dirname(self.path)
+            try:
+                st = os.statvfs(directory)
+                free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            except OSError:
+                free = size = -1
+            raise SnapshotSpaceError(
+                err.errno,
+                f"no room for a snapshot in {directory}: it needs {capacity} bytes "
+                f"({capacity - have} more), {free} bytes are free of {size} "
+                f"({os.strerror(err.errno or 0)}). Give the snapshot memory more room: docker run "
+                "--shm-size (Docker's default /dev/shm is 64 MiB), a Kubernetes emptyDir with "
+                "medium: Memory mounted on /dev/shm, or ELASTICSTORE_SNAPSHOT_ROOT set to a larger "
+                "memory file system for elasticstore-run") from err
 
     def views(self, layout: list[tuple[torch.dtype, tuple[int, ...], int]], size: int,
               total: int) -> list[torch.Tensor]:
@@ -206,27 +250,54 @@ class Buffer:
                 pass
 
 
-def encode(state: Any, step: int, buf: Buffer) -> int:
-    """Copies ``state`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
+class Encoded:
+    """A state pickled for a snapshot (``prepare``), not yet copied anywhere: its skeleton, its
+    tensors and where each goes, and the bytes the snapshot takes."""
+
+    __slots__ = ("skeleton", "tensors", "layout", "data_size", "skel_offset", "total")
+
+    def __init__(self, pickler: _Pickler, skeleton: memoryview) -> None:
+        self.skeleton = skeleton
+        self.tensors, self.layout, self.data_size = pickler.tensors, pickler.layout, pickler.size
+        self.skel_offset = _align(_DATA + pickler.size)
+        self.total = self.skel_offset + len(skeleton)
+
+
+def prepare(state: Any, identity: dict[str, Any]) -> Encoded:
+    """Pickles ``(identity, state)``; ``ShardedStateError`` for a sharded tensor in ``state``."""
+    global _sharded
+    if not _sharded:
+        _sharded = sharded_types() or (_NoSuchType,)
     out = io.BytesIO()
     pickler = _Pickler(out)
-    pickler.dump(state)
-    skeleton = out.getbuffer()
-    skel_offset = _align(_DATA + pickler.size)
-    total = skel_offset + len(skeleton)
-    if pickler.tensors:
-        views = buf.views(pickler.layout, pickler.size, total)
+    try:
+        pickler.dump((identity, state))
+    except _ShardedFound:
+        refuse_sharded(state, "Snapshots.snapshot()")  # names where it is
+        refuse_sharded(state, "Snapshots.snapshot()", where="<inside an object>")
+    return Encoded(pickler, out.getbuffer())
+
+
+class _NoSuchType:
+    """Stands for the sharded tensor types when torch has none (isinstance is then never true)."""
+
+
+def encode(enc: Encoded, step: int, buf: Buffer) -> int:
+    """Copies ``enc`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
+    total, skel_offset = enc.total, enc.skel_offset
+    if enc.tensors:
+        views = buf.views(enc.layout, enc.data_size, total)
         with torch.no_grad():
-            for view, tensor in zip(views, pickler.tensors):
+            for view, tensor in zip(views, enc.tensors):
                 view.copy_(tensor)
     mm = buf.mapped(total)
-    mm[skel_offset:total] = skeleton
-    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, pickler.size, skel_offset, len(skeleton))
+    mm[skel_offset:total] = enc.skeleton
+    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, enc.data_size, skel_offset, len(enc.skeleton))
     buf.step = step
     return total
 
 
-def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any]:
+def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any, Any]:
     if size < _DATA:
         raise ValueError("shorter than a snapshot header")
     magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(mm[:_HEADER.size])
@@ -239,19 +310,23 @@ def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any]:
         if data_len else torch.empty(0, dtype=torch.uint8)
     try:
         skeleton = io.BytesIO(mm[skel_offset:skel_offset + skel_len])
-        return step, _Unpickler(skeleton, data).load()
+        loaded = _Unpickler(skeleton, data).load()
+        if not (isinstance(loaded, tuple) and len(loaded) == 2):
+            raise ValueError("not an (identity, state) pair")
+        return step, loaded[0], loaded[1]
     finally:
         del data
 
 
-def decode(buf: Buffer) -> tuple[int, Any]:
-    """(step, state) of the snapshot in ``buf`` (its tensors cloned out of it)."""
+def decode(buf: Buffer) -> tuple[int, Any, Any]:
+    """(step, identity record, state) of the snapshot in ``buf`` (its tensors cloned out)."""
     assert buf.capacity > 0
     return _decode_bytes(buf.mapped(buf.capacity), buf.capacity)
 
 
-def read_snapshot(path: str) -> tuple[int, Any]:
-    """(step, state) of the snapshot file ``path``; ``ValueError`` when it is not one."""
+def read_snapshot(path: str) -> tuple[int, Any, Any]:
+    """(step, identity record, state) of the snapshot file ``path``; ``ValueError`` when it is
+    not one."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

@@ -1,62 +1,142 @@
-"""``Snapshots.restore``: the newest step that every rank of the new round can get.
+"""``Snapshots.restore``: the newest step that every rank of the new round can get, and only state
+that is the rank's own.
 
 1. Each rank lists its node's snapshots and its local checkpoint directory; one all_reduce (MAX)
    gives the newest snapshot step ``M`` and the newest checkpoint step ``D`` of the whole group.
 2. ``D > M`` (or no snapshot anywhere): ``load_checkpoint_from_any_rank`` (disk).
-3. Else each rank whose node holds ``M`` reads it from memory; one all_reduce (MIN) names the
-   lowest rank that read it and says whether any rank lacks it; only then, that rank broadcasts
-   it (``broadcast_object_list``). When no rank could read ``M`` after all, disk again.
+3. Else each rank whose node holds ``M`` reads it from memory: its own local rank's file first;
+   another local rank's only for replicated state. Every file's identity is checked
+   (``identity.check_identity``: step, replicated or per-rank, and for per-rank state the rank and
+   world size); one that is not this rank's is skipped with a warning. One all_reduce (MIN) names
+   the lowest rank that read it and the lowest rank that lacks it; only then, for replicated
+   state, the reader broadcasts it (``broadcast_object_list``). Per-rank state cannot come from
+   another rank: every rank raises ``SnapshotMismatchError``. When no rank could read ``M`` after
+   all, disk again.
+4. A disk checkpoint is checked too: one written from a snapshot carries its identity and must be
+   replicated state; none may hold sharded tensors.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import warnings
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from .snapshot import Restored, _checkpoint_load, newest, read_local
+from ..checkpoint import (Checkpoint, list_checkpoints, load_checkpoint,
+                          load_checkpoint_from_any_rank)
+from .fileformat import list_snapshots, read_snapshot
+from ..sharded import sharded_path
+from .errors import SnapshotMismatchError
+from .identity import Identity, check_identity, this_rank
 
-if TYPE_CHECKING:
-    from .snapshot import Snapshots
-
-__all__ = ["restore"]
+__all__ = ["Restored", "newest", "read_local", "restore"]
 
 
-def restore(snaps: Snapshots, group: dist.ProcessGroup | None) -> Restored | None:
-    mem, disk_step = snaps.local_candidates()
+@dataclass(frozen=True)
+class Restored:
+    """What ``Snapshots.restore`` found: the step, the state given to ``snapshot`` (tensors on
+    the CPU), and where it came from: ``"memory"`` (this node's), ``"peer"`` (another rank's
+    memory, sent by ``detail``: ``rank N``) or ``"disk"`` (``detail``: the checkpoint file)."""
+
+    step: int
+    state: Any
+    source: str
+    detail: str
+
+
+def newest(values: list[int], group: dist.ProcessGroup | None, op: Any) -> list[int]:
+    """``values`` reduced over ``group`` with ``op`` (as they are without a process group)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def read_local(candidates: list[tuple[int, int, str]], step: int, local_rank: int, rank: int,
+               world: int, replicated: bool) -> tuple[Any, str] | None:
+    """The state of ``step`` from this node's snapshots that ``rank`` of ``world`` may get: this
+    local rank's file, then (replicated state only) the others'; None when none reads and fits."""
+    paths = sorted((lr != local_rank, p) for s, lr, p in candidates
+                   if s == step and (lr == local_rank or replicated))
+    for _, path in paths:
+        try:
+            got, ident, state = read_snapshot(path)
+            if got != step:
+                raise ValueError(f"holds step {got}, its name says {step}")
+            check_identity(Identity.from_dict(ident), step, rank, world, replicated)
+        except (OSError, ValueError, EOFError, RuntimeError) as err:
+            warnings.warn(f"skipping snapshot {path}: {type(err).__name__}: {err}",
+                          RuntimeWarning, stacklevel=3)
+            continue
+        return state, path
+    return None
+
+
+def restore(directory: str | None, local_rank: int, checkpoint_dir: str | None,
+            replicated: bool, group: dist.ProcessGroup | None) -> Restored | None:
+    mem = list_snapshots(directory) if directory is not None else []
+    disk = list_checkpoints(checkpoint_dir) if checkpoint_dir else []
     own_mem = mem[-1][0] if mem else -1
-    top_mem, top_disk = newest([own_mem, disk_step], group, dist.ReduceOp.MAX)
+    top_mem, top_disk = newest([own_mem, disk[-1][0] if disk else -1], group, dist.ReduceOp.MAX)
     if top_mem < 0 and top_disk < 0:
         return None
     if top_disk > top_mem:
-        return _disk(snaps, group)
-    local = read_local(mem, top_mem, snaps.settings.local_rank) if own_mem == top_mem else None
+        return _disk(checkpoint_dir, group)
+    rank, world = this_rank(group)
+    local = read_local(mem, top_mem, local_rank, rank, world, replicated)
     if not dist.is_initialized():
         if local is None:
-            return _disk(snaps, group)
+            return _disk(checkpoint_dir, group)
         return Restored(top_mem, local[0], "memory", local[1])
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    src, lacking = newest([rank if local is not None else world, -int(local is None)], group,
-                          dist.ReduceOp.MIN)
+    src, lacking = newest([rank if local is not None else world,
+                           world if local is not None else rank], group, dist.ReduceOp.MIN)
     if src == world:  # listed, but nobody could read it
-        return _disk(snaps, group)
-    if lacking == 0:
+        return _disk(checkpoint_dir, group)
+    if lacking == world:
         assert local is not None
         return Restored(top_mem, local[0], "memory", local[1])
-    payload: list[Any] = [local[0] if rank == src and local is not None else None]
+    if not replicated:
+        raise SnapshotMismatchError(
+            f"rank {lacking} of {world} has no snapshot of its own for step {top_mem} (per-rank "
+            "state: another rank's cannot stand in for it; the node that held it is gone, or the "
+            "world size changed). Resume per-rank state from your own per-rank checkpoints "
+            "(torch.distributed.checkpoint), or remove it from the snapshot")
+    payload: list[Any] = [None]
+    if rank == src and local is not None:
+        payload = [(Identity(top_mem, rank, world, True).to_dict(), local[0])]
     global_src = src if group is None else dist.get_global_rank(group, src)
     dist.broadcast_object_list(payload, src=global_src, group=group)
     if local is not None:
         return Restored(top_mem, local[0], "memory", local[1])
-    return Restored(top_mem, payload[0], "peer", f"rank {src}")
+    ident, state = payload[0]
+    check_identity(Identity.from_dict(ident), top_mem, rank, world, replicated)
+    return Restored(top_mem, state, "peer", f"rank {src}")
 
 
-def _disk(snaps: Snapshots, group: dist.ProcessGroup | None) -> Restored | None:
-    if snaps.checkpoint_dir is None:
+def _disk(checkpoint_dir: str | None, group: dist.ProcessGroup | None) -> Restored | None:
+    if checkpoint_dir is None:
         return None
-    if not dist.is_initialized():
-        from .checkpoint import load_checkpoint
-
-        ckpt = load_checkpoint(snaps.checkpoint_dir)
-        return None if ckpt is None else Restored(ckpt.step, ckpt.state, "disk", ckpt.path)
-    return _checkpoint_load(snaps.checkpoint_dir, group)
+    ckpt: Checkpoint | None
+    if dist.is_initialized():
+        ckpt = load_checkpoint_from_any_rank(checkpoint_dir, group)
+    else:
+        ckpt = load_checkpoint(checkpoint_dir)
+    if ckpt is None:
+        return None
+    if ckpt.meta is not None:
+        found = Identity.from_dict(ckpt.meta)
+        try:
+            check_identity(found, ckpt.step, found.rank, found.world_size, True)
+        except SnapshotMismatchError as err:
+            raise SnapshotMismatchError(f"the disk checkpoint {ckpt.path} {err}") from None
+    where = sharded_path(ckpt.state)
+    if where is not None:
+        raise SnapshotMismatchError(
+            f"the disk checkpoint {ckpt.path} holds a sharded tensor at {where!r}: one rank's "
+            "shard cannot be handed to every rank. Use torch.distributed.checkpoint for sharded "
+            "state")
+    return Restored(ckpt.step, ckpt.state, "disk", ckpt.path)

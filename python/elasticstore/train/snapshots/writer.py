@@ -8,46 +8,47 @@ per job and node, kept across worker restarts and rounds, removed when the agent
 is blocked for that copy only. At most ``KEEP_PER_RANK`` complete snapshots exist per local rank:
 the older one's memory is reused for the next. With ``checkpoint_dir``, every
 ``checkpoint_every``-th step's snapshot is also written to disk by a background thread
-(``save_checkpoint``: atomic, durable), by the ranks given ``write_checkpoints``.
+(``disk.py``: at most one waits; a writer behind skips to the newest), by the ranks given
+``write_checkpoints``. The memory per local rank is bounded: ``KEEP_PER_RANK`` complete snapshots,
+plus the one being taken, plus (when the disk writer lags) the one waiting for it.
 
-``Snapshots.restore`` (a collective) returns the newest step that every rank can get: from this
-node's memory, else from another node's (the lowest rank holding it broadcasts it: DDP replicas
-are identical, one copy is enough), else from disk (``load_checkpoint_from_any_rank``), and says
-which.
+The state is *replicated* (the same on every rank, e.g. DDP's; the default) or, with
+``replicated=False``, *per-rank*: only the rank that took it gets it back (``identity.py``).
+Sharded tensors (``DTensor``, ``ShardedTensor``) are refused (``ShardedStateError``).
 
-Without ``ELASTICSTORE_SNAPSHOT_DIR`` (plain ``python``, ``torchrun``) snapshots live in the
-process's own memory: nothing survives the process, ``restore`` reads disk checkpoints only, and
-the disk checkpoints are written as with the agent. See ``docs/training.md``.
+``Snapshots.restore`` (a collective, ``restore.py``) returns the newest step that every rank can
+get: from this node's memory, else (replicated state) from another node's, else from disk, and
+says which; it never hands a rank state that is not its own.
+
+When the snapshot directory's file system has no room for a snapshot (a small ``/dev/shm``), the
+worker warns once (the bytes needed and free, and the fix) and keeps its snapshots in its own
+memory from then on. Without ``ELASTICSTORE_SNAPSHOT_DIR`` (plain ``python``, ``torchrun``)
+snapshots live in the process's own memory: nothing survives the process, ``restore`` reads disk
+checkpoints only, and the disk checkpoints are written as with the agent. See
+``docs/training.md``.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from .checkpoint import list_checkpoints, load_checkpoint_from_any_rank, save_checkpoint
-from .snapshot_file import (
-    Buffer,
-    decode,
-    encode,
-    list_snapshots,
-    read_snapshot,
-    snapshot_name,
-    stale_tmp_files,
-    tmp_name,
-)
+from .disk import DiskWriter
+from .errors import SnapshotSpaceError
+from .fileformat import (Buffer, encode, list_snapshots, prepare, snapshot_name, stale_tmp_files,
+                         tmp_name)
+from .identity import Identity, this_rank
+from .restore import Restored, restore
 
-__all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "Restored", "SnapshotSettings", "Snapshots"]
+__all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "SnapshotSettings", "Snapshots"]
 
 SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"
 KEEP_PER_RANK = 2  # complete snapshots kept per local rank (older ones are reused or freed)
@@ -78,54 +79,51 @@ class SnapshotSettings:
         return cls(directory, local_rank)
 
 
-@dataclass(frozen=True)
-class Restored:
-    """What ``Snapshots.restore`` found: the step, the state given to ``snapshot`` (tensors on
-    the CPU), and where it came from: ``"memory"`` (this node's), ``"peer"`` (another rank's
-    memory, sent by ``detail``: ``rank N``) or ``"disk"`` (``detail``: the checkpoint file)."""
-
-    step: int
-    state: Any
-    source: str
-    detail: str
-
-
 class Snapshots:
     """Snapshots of one worker's training state; see the module's documentation.
 
     ``every``: snapshot every ``every``-th step (0: only the steps of disk checkpoints).
     ``checkpoint_dir``/``checkpoint_every``/``keep_checkpoints``: disk checkpoints, written in the
     background from the snapshots of every ``checkpoint_every``-th step by the ranks where
-    ``write_checkpoints`` is true (default: global rank 0). ``settings``: default from the
-    environment. Use as a context manager, or call ``close`` (it waits for the disk checkpoint
-    being written)."""
+    ``write_checkpoints`` is true (default: global rank 0). ``replicated``: whether the state is
+    the same on every rank (default); per-rank state (False) is restored only to the rank that
+    took it, at the same world size, and has no disk checkpoints here. ``settings``: default from
+    the environment. Use as a context manager, or call ``close`` (it waits for the disk
+    checkpoint being written)."""
 
     def __init__(self, *, every: int = 1, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 2,
-                 write_checkpoints: bool | None = None,
+                 write_checkpoints: bool | None = None, replicated: bool = True,
                  settings: SnapshotSettings | None = None) -> None:
         if every < 0 or checkpoint_every < 0:
             raise ValueError(f"every ({every}) and checkpoint_every ({checkpoint_every}) must be >= 0")
         if checkpoint_dir is not None and checkpoint_every < 1:
             raise ValueError("checkpoint_dir needs checkpoint_every >= 1")
+        if checkpoint_dir is not None and not replicated:
+            raise ValueError("checkpoint_dir with replicated=False: disk checkpoints here are "
+                             "written by one rank for all; save per-rank state with "
+                             "torch.distributed.checkpoint")
         self.settings = settings or SnapshotSettings.from_env()
         self.every = every
+        self.replicated = replicated
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
-        self.keep_checkpoints = keep_checkpoints
         if write_checkpoints is None:
-            write_checkpoints = (dist.get_rank() if dist.is_initialized()
-                                 else int(os.environ.get("RANK", "0"))) == 0
+            write_checkpoints = this_rank()[0] == 0
         self.write_checkpoints = write_checkpoints and self.checkpoint_dir is not None
+        self._disk = (DiskWriter(self.checkpoint_dir, keep_checkpoints)
+                      if self.checkpoint_dir is not None and self.write_checkpoints else None)
         self.last_copy_s = 0.0  # how long the latest snapshot blocked its step
         self.last_bytes = 0
         self._published: list[Buffer] | None = None  # oldest first (None: not listed yet)
-        self._lock = threading.Lock()  # the buffers' pinned state, with the disk thread
-        self._pinned: set[int] = set()  # ids of buffers a pending disk checkpoint reads
-        self._disk: queue.Queue[tuple[int, Buffer] | None] = queue.Queue()
-        self._disk_thread: threading.Thread | None = None
-        self._disk_error: BaseException | None = None
+        self._rank: tuple[int, int] | None = None  # (global rank, world size), at the first snapshot
+        self._flushing_at_exit = False
         self._closed = False
+
+    @property
+    def skipped_checkpoints(self) -> int:
+        """Disk checkpoint steps skipped because the disk writer was behind (it wrote a newer)."""
+        return self._disk.skipped if self._disk is not None else 0
 
     # -- taking snapshots ---------------------------------------------------------------------
 
@@ -139,33 +137,58 @@ class Snapshots:
         """Copies ``state`` (a dict of tensors and plain, picklable Python objects; or a function
         returning it, called only when due) as the snapshot of ``step`` when ``due(step)``;
         returns whether it did. Blocks for the copy; the disk checkpoint of the step, when one
-        is due, is written in the background."""
+        is due, is written in the background. ``ShardedStateError`` for sharded tensors (nothing
+        is written)."""
         if self._closed:
             raise RuntimeError("Snapshots is closed")
-        if self._disk_error is not None:
-            err, self._disk_error = self._disk_error, None
-            raise RuntimeError(f"the background disk checkpoint failed: {err}") from err
+        self._raise_disk_error()
         if not self.due(step):
             return False
         started = time.perf_counter()
         value = state() if callable(state) else state
+        if self._rank is None:
+            self._rank = this_rank()
+        rank, world = self._rank
+        enc = prepare(value, Identity(step, rank, world, self.replicated).to_dict())
+        try:
+            buf = self._write(enc, step)
+        except SnapshotSpaceError as err:
+            self._no_room(err)
+            buf = self._write(enc, step)
+        assert self._published is not None
+        if self._disk is not None:
+            with self._disk.lock:
+                self._published.append(buf)
+        else:
+            self._published.append(buf)
+        self.last_copy_s = time.perf_counter() - started
+        if self._disk is not None and step % self.checkpoint_every == 0:
+            if not self._flushing_at_exit:
+                self._flushing_at_exit = True
+                atexit.register(self._flush_at_exit)  # a script that ends without close()
+            self._disk.submit(step, buf)
+        return True
+
+    def _write(self, enc: Any, step: int) -> Buffer:
         buf = self._take_buffer(step)
         try:
-            self.last_bytes = encode(value, step, buf)
+            self.last_bytes = encode(enc, step, buf)
             buf.rename(self._path(snapshot_name(step, self.settings.local_rank)))
         except BaseException:
             buf.free()
             raise
-        assert self._published is not None
-        with self._lock:
-            self._published.append(buf)
-        self.last_copy_s = time.perf_counter() - started
-        if self.write_checkpoints and step % self.checkpoint_every == 0:
-            with self._lock:
-                self._pinned.add(id(buf))
-            self._start_disk_thread()
-            self._disk.put((step, buf))
-        return True
+        return buf
+
+    def _no_room(self, err: SnapshotSpaceError) -> None:
+        """The snapshot directory is full: warn once, remove this rank's snapshots from it, and
+        keep the next ones in this process's memory."""
+        after = ("restore reads the disk checkpoints only" if self.checkpoint_dir is not None else
+                 "without checkpoint_dir nothing survives a failure")
+        warnings.warn(f"{err}. Local rank {self.settings.local_rank} keeps its snapshots in its "
+                      f"own memory from now on: {after}", RuntimeWarning, stacklevel=3)
+        for buf in list(self._published or []):
+            self._retire(buf)
+        self.settings = dataclasses.replace(self.settings, directory=None)
 
     def _path(self, name: str) -> str | None:
         d = self.settings.directory
@@ -201,26 +224,28 @@ class Snapshots:
         return Buffer(tmp)
 
     def _retire(self, buf: Buffer, reuse: bool = False) -> bool:
-        """Takes ``buf`` off the list. A pending disk checkpoint still reads it: out of view
-        (renamed), the disk thread frees it after; else freed, or (``reuse``) returns True."""
+        """Takes ``buf`` off the list. The disk writer still holds it: out of view (renamed), the
+        writer frees it after; else freed, or (``reuse``) returns True."""
         assert self._published is not None
-        with self._lock:  # with the disk thread's check whether a buffer is still listed
+        if self._disk is not None:
+            with self._disk.lock:  # with the writer's check whether it still holds the buffer
+                self._published.remove(buf)
+                if self._disk.pinned(buf):
+                    buf.rename(self._path(tmp_name(self.settings.local_rank)))
+                    self._disk.orphan(buf)
+                    return False
+        else:
             self._published.remove(buf)
-            if id(buf) in self._pinned:
-                buf.rename(self._path(tmp_name(self.settings.local_rank)))
-                return False
         if not reuse:
             buf.free()
         return reuse
 
     # -- disk checkpoints in the background ---------------------------------------------------
 
-    def _start_disk_thread(self) -> None:
-        if self._disk_thread is None:
-            self._disk_thread = threading.Thread(target=self._disk_loop, name="snapshot-disk",
-                                                 daemon=True)
-            self._disk_thread.start()
-            atexit.register(self._flush_at_exit)  # a script that ends without close()
+    def _raise_disk_error(self) -> None:
+        if self._disk is not None and self._disk.error is not None:
+            err, self._disk.error = self._disk.error, None
+            raise RuntimeError(f"the background disk checkpoint failed: {err}") from err
 
     def _flush_at_exit(self) -> None:
         try:
@@ -228,31 +253,14 @@ class Snapshots:
         except RuntimeError as err:
             warnings.warn(str(err), RuntimeWarning, stacklevel=1)
 
-    def _disk_loop(self) -> None:
-        assert self.checkpoint_dir is not None
-        for item in iter(self._disk.get, None):
-            step, buf = item
-            try:
-                _, state = decode(buf)
-                with self._lock:
-                    self._pinned.discard(id(buf))
-                    orphan = self._published is not None and buf not in self._published
-                if orphan:
-                    buf.free()
-                save_checkpoint(self.checkpoint_dir, state, step, keep=self.keep_checkpoints)
-            except BaseException as err:  # noqa: BLE001 - reported by the next snapshot call
-                self._disk_error = err
-
     def flush(self) -> None:
         """Waits until the disk checkpoints due so far are written."""
-        if self._disk_thread is not None:
-            self._disk.put(None)
-            self._disk_thread.join()
-            self._disk_thread = None
+        if self._disk is not None:
+            self._disk.flush()
+        if self._flushing_at_exit:
+            self._flushing_at_exit = False
             atexit.unregister(self._flush_at_exit)
-        if self._disk_error is not None:
-            err, self._disk_error = self._disk_error, None
-            raise RuntimeError(f"the background disk checkpoint failed: {err}") from err
+        self._raise_disk_error()
 
     def close(self) -> None:
         """Waits for the disk checkpoint being written; unmaps the snapshots (their files stay
@@ -280,46 +288,8 @@ class Snapshots:
 
     def restore(self, group: dist.ProcessGroup | None = None) -> Restored | None:
         """The newest step every rank of ``group`` can get (a collective when a process group is
-        initialised; ``group`` must take CPU tensors, e.g. gloo). None when there is none."""
-        from .snapshot_restore import restore
-
-        return restore(self, group)
-
-    def local_candidates(self) -> tuple[list[tuple[int, int, str]], int]:
-        """(this node's complete snapshots, the newest step of the local checkpoint directory or
-        -1)."""
-        d = self.settings.directory
-        mem = list_snapshots(d) if d is not None else []
-        disk = list_checkpoints(self.checkpoint_dir) if self.checkpoint_dir else []
-        return mem, (disk[-1][0] if disk else -1)
-
-
-def read_local(candidates: list[tuple[int, int, str]], step: int,
-               local_rank: int) -> tuple[Any, str] | None:
-    """The state of ``step`` from this node's snapshots (this local rank's file first, then the
-    others'); None when none of them reads."""
-    paths = sorted((lr != local_rank, p) for s, lr, p in candidates if s == step)
-    for _, path in paths:
-        try:
-            got, state = read_snapshot(path)
-        except (OSError, ValueError, EOFError, RuntimeError) as err:
-            warnings.warn(f"skipping snapshot {path}: {type(err).__name__}: {err}",
-                          RuntimeWarning, stacklevel=3)
-            continue
-        if got == step:
-            return state, path
-    return None
-
-
-def _checkpoint_load(directory: str, group: dist.ProcessGroup | None) -> Restored | None:
-    ckpt = load_checkpoint_from_any_rank(directory, group)
-    return None if ckpt is None else Restored(ckpt.step, ckpt.state, "disk", ckpt.path)
-
-
-def newest(values: list[int], group: dist.ProcessGroup | None, op: Any) -> list[int]:
-    """``values`` reduced over ``group`` with ``op`` (as they are without a process group)."""
-    if not dist.is_initialized():
-        return values
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=op, group=group)
-    return [int(v) for v in t.tolist()]
+        initialised; ``group`` must take CPU tensors, e.g. gloo). None when there is none.
+        ``SnapshotMismatchError`` when what there is is not this rank's to take (see
+        ``restore.py``)."""
+        return restore(self.settings.directory, self.settings.local_rank, self.checkpoint_dir,
+                       self.replicated, group)

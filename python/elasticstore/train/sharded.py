@@ -1,0 +1,85 @@
+"""Sharded tensors (``DTensor``, ``ShardedTensor``) in a state: found, and refused where one copy
+would be handed to every rank (snapshots, ``save_checkpoint``, ``load_checkpoint_from_any_rank``).
+Until sharded snapshots exist, sharded state goes to ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShardedStateError", "refuse_sharded", "sharded_path", "sharded_types"]
+
+
+class ShardedStateError(ValueError):
+    """A state holding sharded tensors where one copy would serve every rank: a rank would get
+    another rank's shard back. Nothing was written."""
+
+
+_SHARDED: tuple[type, ...] | None = None
+
+
+def sharded_types() -> tuple[type, ...]:
+    """The classes of sharded tensors (``DTensor``, ``ShardedTensor``) this torch has."""
+    global _SHARDED
+    if _SHARDED is None:
+        found: list[type] = []
+        if dist.is_available():
+            try:
+                from torch.distributed.tensor import DTensor
+
+                found.append(DTensor)
+            except ImportError:
+                pass
+            try:
+                from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+                found.append(ShardedTensor)
+            except ImportError:
+                pass
+        _SHARDED = tuple(found)
+    return _SHARDED
+
+
+def sharded_path(state: Any, limit: int = 100_000) -> str | None:
+    """Where in ``state`` (dicts, lists, tuples, sets and the attributes of plain objects) the
+    first sharded tensor is, as ``key.key[index]``; None when there is none (or, past ``limit``
+    objects, none found so far)."""
+    types = sharded_types()
+    if not types:
+        return None
+    todo: list[tuple[str, Any]] = [("", state)]
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        path, obj = todo.pop()
+        if isinstance(obj, types):
+            return path or "<the state itself>"
+        if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None))) \
+                or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Mapping):
+            todo.extend((f"{path}.{k}" if path else str(k), v) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+        elif hasattr(obj, "__dict__"):
+            todo.extend((f"{path}.{k}" if path else k, v) for k, v in vars(obj).items())
+    return None
+
+
+def refuse_sharded(state: Any, what: str, where: str | None = None) -> None:
+    """Raises ``ShardedStateError`` when ``state`` holds a sharded tensor (at ``where``, when the
+    caller found it already)."""
+    where = where or sharded_path(state)
+    if where is None:
+        return
+    raise ShardedStateError(
+        f"{what}: the state holds a sharded tensor (DTensor or ShardedTensor) at {where!r}, e.g. "
+        "from FSDP2 (fully_shard) or get_state_dict. One copy serves every rank here, so a rank "
+        "would get another rank's shard back: sharded state is refused (nothing was written). "
+        "Save sharded state with torch.distributed.checkpoint (dcp.save/dcp.load), or "
+        "snapshot a full, replicated state dict (get_state_dict(..., options=StateDictOptions("
+        "full_state_dict=True, cpu_offload=True)))")
