@@ -82,9 +82,13 @@ class Cluster:
             info = self.job(job_id)
         return info
 
-    def node_kill(self, node: str) -> None:
-        """SIGKILLs the node's slurmd, step daemons and job tasks, as a crash would."""
+    def node_kill(self, node: str, mark_down: bool = True) -> None:
+        """SIGKILLs the node's slurmd, step daemons and job tasks, as a crash would. ``mark_down``:
+        then marks it DOWN at once, as slurmctld does on its own ``SlurmdTimeout`` later (25-27 s
+        with the cluster's 10 s): what ends the lost node's part of the job, sooner."""
         subprocess.run([self.bin("node-kill"), node], env=self.env, check=True, timeout=30)
+        if mark_down:
+            self.call("scontrol", "update", f"nodename={node}", "state=down", "reason=node-kill")
 
     def node_start(self, node: str, timeout: float = 30.0) -> None:
         """Starts the node's slurmd again and waits until Slurm has it idle."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ TRAIN = os.path.join(PROGRAMS, "slurm_train.py")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[slurm_cluster.Cluster]:
-    with slurm_cluster.running(3) as c:
+    with slurm_cluster.running(3, CRED_EXPIRE="5") as c:  # a requeued job starts 5 s later
         yield c
 
 
@@ -42,7 +43,10 @@ def jobdir(cluster: slurm_cluster.Cluster) -> Iterator[str]:
     try:
         yield path
     finally:
-        cluster.cancel_all()
+        try:
+            cluster.cancel_all()
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def records(directory: str) -> list[dict[str, object]]:
@@ -66,24 +70,117 @@ def wait_for(what: str, pred: object, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def script(directory: str, run_flags: str, steps: int, srun_flags: str = "", pause: float = 0.1) -> str:
-    return (f"#!/bin/sh\nsrun --ntasks-per-node=1 {srun_flags} {RUN} --nproc-per-node 2 {run_flags} "
+def script(directory: str, run_flags: str, steps: int, srun_flags: str = "", pause: float = 0.1,
+           nproc: int = 2) -> str:
+    return (f"#!/bin/sh\nsrun --ntasks-per-node=1 {srun_flags} {RUN} --nproc-per-node {nproc} {run_flags} "
             f"{TRAIN} --dir {directory} --steps {steps} --sleep {pause}\n")
 
 
-@pytest.mark.slow  # ~10-20 s: a 2-node job of 4 gloo workers
-def test_zero_config_srun_runs_one_job_across_the_allocation(cluster: slurm_cluster.Cluster,
-                                                             jobdir: str) -> None:
-    job = cluster.sbatch(script(jobdir, "", steps=3), "-N", "2", cwd=jobdir)
-    info = cluster.wait_job(job, timeout=90)
+@pytest.mark.slow  # ~40 s: a 2-node job of 4 gloo workers, requeued once while training
+def test_zero_config_srun_runs_one_job_across_the_allocation_and_resumes_after_a_requeue(
+        cluster: slurm_cluster.Cluster, jobdir: str) -> None:
+    job = cluster.sbatch(script(jobdir, "", steps=12, pause=0.2), "-N", "2", "--requeue",
+                         "--open-mode=append", cwd=jobdir)
+    started(jobdir, 4, 3)
+    requeued = time.time()
+    cluster.call("scontrol", "requeue", job)  # as a preemption in REQUEUE mode: SIGTERM, requeue
+    info = cluster.wait_job(job, timeout=120)
     out = output(jobdir, job)
-    assert info["JobState"] == "COMPLETED", out
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
     recs = records(jobdir)
-    assert {r["world"] for r in recs} == {4}, recs
-    assert {r["rank"] for r in recs} == {0, 1, 2, 3}
-    assert {(r["host"], r["node_rank"]) for r in recs} in ({("n1", 0), ("n2", 1)}, {("n1", 1), ("n2", 0)})
-    assert {r["step"] for r in recs} == {0, 1, 2, 3}
+    for run in (0, 1):  # each run: one job across both nodes
+        mine = [r for r in recs if r["slurm_restart"] == run]
+        assert {r["world"] for r in mine} == {4}, recs
+        assert {r["rank"] for r in mine} == {0, 1, 2, 3}
+        assert {(r["host"], r["node_rank"]) for r in mine} in ({("n1", 0), ("n2", 1)},
+                                                               {("n1", 1), ("n2", 0)})
+    # the workers got the SIGTERM while training; the requeued run resumed from that step
+    terms = []
+    for name in glob.glob(os.path.join(jobdir, "term-*.json")):
+        with open(name) as f:
+            terms.append(json.load(f))
+    assert terms and all(float(t["t"]) >= requeued - 1 for t in terms), terms
+    at_signal = max(int(t["step"]) for t in terms)
+    first = min(int(r["step"]) for r in recs if r["slurm_restart"] == 1)  # type: ignore[call-overload]
+    assert at_signal - 1 <= first <= at_signal + 1, (at_signal, first)
+    assert max(int(r["step"]) for r in recs) == 12  # type: ignore[call-overload]
     # the banner says what it took from Slurm, on each node
     for node, addr in (("n1", "10.77.0.11"), ("n2", "10.77.0.12")):
         assert (f"from Slurm (step {job}.0 on 2 node(s), {node}): --rdzv-id {job} --nnodes 2 "
                 f"--rdzv-endpoint n1:{29400 + int(job)},n2:{29400 + int(job)} --local-addr {addr}") in out, out
+    back = min(float(r["t"]) for r in recs if r["slurm_restart"] == 1) - requeued  # type: ignore[arg-type]
+    print(f"from scontrol requeue to training again: {back:.1f} s")
+
+
+def started(directory: str, world: int, step: int) -> dict[str, object]:
+    """The first record of ``step`` at ``world`` (waits for it)."""
+    found: list[dict[str, object]] = []
+
+    def seen() -> bool:
+        found[:] = [r for r in records(directory) if r["world"] == world and int(r["step"]) >= step]  # type: ignore[call-overload]
+        return bool(found)
+
+    wait_for(f"a step >= {step} at world size {world}", seen, 60)
+    return found[0]
+
+
+NO_KILL = "--no-kill --kill-on-bad-exit=0"  # srun: the step goes on without a lost node
+
+
+@pytest.mark.slow  # ~30 s: 3 nodes, one killed
+def test_a_lost_node_leaves_the_others_training_at_the_smaller_size(
+        cluster: slurm_cluster.Cluster, jobdir: str) -> None:
+    job = cluster.sbatch(script(jobdir, "--nnodes 2:3 --max-restarts 3", steps=20, srun_flags=NO_KILL,
+                                pause=0.15, nproc=1), "-N", "3", "--no-kill", cwd=jobdir)
+    started(jobdir, 3, 3)
+    killed = time.time()
+    cluster.node_kill("n3")
+    info = cluster.wait_job(job, timeout=120)
+    out = output(jobdir, job)
+    assert info["JobState"] == "COMPLETED", out
+    after = [r for r in records(jobdir) if float(r["t"]) > killed + 0.5]  # type: ignore[arg-type]
+    assert after and {r["world"] for r in after} == {2}, out
+    assert {r["host"] for r in after} == {"n1", "n2"}
+    assert max(int(r["step"]) for r in after) == 20  # type: ignore[call-overload]
+    back = min(float(r["t"]) for r in after) - killed  # type: ignore[arg-type]
+    print(f"from the kill to training again at world size 2: {back:.2f} s")
+
+
+@pytest.mark.slow  # ~45 s: 3 nodes for 2, a participant killed, then another
+def test_a_spare_node_replaces_a_lost_participant_and_a_job_below_its_minimum_ends_with_a_reason(
+        cluster: slurm_cluster.Cluster, jobdir: str) -> None:
+    body = (f"{RUN} --nproc-per-node 2 --nnodes 2:2 --max-restarts 3 --rdzv-conf join_timeout=12 "
+            f"{TRAIN} --dir {jobdir} --steps 100000 --sleep 0.15; echo $? > {jobdir}/rc-$(hostname)")
+    job = cluster.sbatch(f"#!/bin/sh\nsrun --ntasks-per-node=1 {NO_KILL} sh -c '{body}'\n",
+                         "-N", "3", "--no-kill", cwd=jobdir)
+    first = started(jobdir, 4, 3)
+    hosts = {str(r["host"]) for r in records(jobdir)}
+    assert len(hosts) == 2, hosts  # two participants, the third node stands by
+    (spare,) = set(cluster.nodes) - hosts
+    victim = str(first["host"]) if first["host"] != "n1" else sorted(hosts - {"n1"})[0]
+    killed = time.time()
+    cluster.node_kill(victim)
+    now = hosts - {victim} | {spare}
+
+    def replaced() -> bool:
+        return {r["host"] for r in records(jobdir) if float(r["t"]) > killed + 0.5} == now  # type: ignore[arg-type]
+
+    wait_for(f"{spare} training in {victim}'s place", replaced, 60)
+    after = [r for r in records(jobdir) if float(r["t"]) > killed + 0.5]  # type: ignore[arg-type]
+    assert {r["world"] for r in after} == {4}, after  # the same world size
+    back = min(float(r["t"]) for r in after) - killed  # type: ignore[arg-type]
+    # no spare left: a second loss leaves one node of the two needed; it stops in bounded time
+    second = sorted(now - {"n1"})[0]
+    (survivor,) = now - {second}
+    lost = time.monotonic()
+    cluster.node_kill(second)
+    rc = os.path.join(jobdir, f"rc-{survivor}")
+    wait_for("the survivor exited", lambda: os.path.exists(rc), 60)
+    waited = time.monotonic() - lost
+    with open(rc) as f:
+        assert f.read().strip() not in ("", "0")
+    cluster.wait_job(job, timeout=60)
+    out = output(jobdir, job)
+    assert "did not form within join_timeout=12s (nnodes 2:2)" in out, out
+    print(f"from the kill to training again with the spare: {back:.2f} s; "
+          f"one node left: it exited {waited:.1f} s after the second kill")
