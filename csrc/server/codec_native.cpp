@@ -164,7 +164,7 @@ Outcome op_check(Request& q) {
   read_keys(limits(q), q.r, &keys, &too_large);
   if (!q.r.done()) return Outcome::Malformed;
   if (!too_large.empty()) return refuse(q, Status::TooLarge, too_large);
-  Reply(q.ctx.out, Status::Ok, q.id).w.u8(q.ctx.kv.check(keys, true) ? 1 : 0);
+  Reply(q.ctx.out, Status::Ok, q.id).w.u8(q.ctx.kv.check(keys) ? 1 : 0);
   return Outcome::Replied;
 }
 

@@ -38,8 +38,7 @@ std::size_t payload_bytes(const Completion& c, const KvState& kv) {
       const Entry* e = kv.find(c.key);
       return e ? 4 + e->value.size() + 8 : kGone;
     }
-    case WaitKind::Wait:
-    case WaitKind::WaitOrQueue: return ok ? 0 : keys_bytes(c.values);
+    case WaitKind::Wait: return ok ? 0 : keys_bytes(c.values);
     case WaitKind::MultiGet: {
       if (!ok) return keys_bytes(c.values);
       std::size_t n = 4;
@@ -76,7 +75,6 @@ void encode_completion(const Completion& c, const KvState& kv, std::string& out)
       }
       break;
     case WaitKind::Wait:
-    case WaitKind::WaitOrQueue:
       if (!ok) w.keys(c.values);
       break;
     case WaitKind::MultiGet:

@@ -81,7 +81,7 @@ class TcpStoreCodec final : public Codec {
       *reason = "not reading its replies: unsent output at its limit";
       return false;
     }
-    ts::put_u8(out, kStopWaiting);  // WAIT (WaitOrQueue) and BARRIER are the only deferred ops
+    ts::put_u8(out, kStopWaiting);  // WAIT and BARRIER are the only deferred ops
     return true;
   }
 
@@ -163,8 +163,13 @@ class TcpStoreCodec final : public Codec {
       }
       case ts::Op::Get: {
         const Entry* e = kv.find(key);
-        if (!e) return fail(reason, "GET of missing key \"" + std::string(key) + "\"");
-        ts::put_bytes(out, e->value);
+        if (e) {
+          ts::put_bytes(out, e->value);
+        } else if (kv.queue_len(key) > 0) {
+          ts::put_bytes(out, {});  // WAIT passed on the queue: torch's server answers empty
+        } else {
+          return fail(reason, "GET of missing key \"" + std::string(key) + "\"");
+        }
         return true;
       }
       case ts::Op::Add: {
@@ -176,10 +181,10 @@ class TcpStoreCodec final : public Codec {
         return true;
       }
       case ts::Op::Check:
-        ts::put_u8(out, kv.check(native_keys(req_.keys), true) ? kCheckReady : kCheckNotReady);
+        ts::put_u8(out, kv.check(native_keys(req_.keys)) ? kCheckReady : kCheckNotReady);
         return true;
       case ts::Op::Wait:
-        kv.wait(ctx.conn, ++tag_, native_keys(req_.keys), kNoTimeout, WaitKind::WaitOrQueue);
+        kv.wait(ctx.conn, ++tag_, native_keys(req_.keys), kNoTimeout, WaitKind::Wait);
         return true;
       case ts::Op::GetNumKeys:
         ts::put_i64(out, static_cast<int64_t>(kv.num_keys()));
@@ -231,17 +236,18 @@ class TcpStoreCodec final : public Codec {
 
   bool multi_get(KvState& kv, std::string& out, std::string* reason) {
     std::size_t bytes = 0;
-    std::vector<const Entry*> found;
+    std::vector<const Entry*> found;  // nullptr: a name only a non-empty queue holds
     found.reserve(req_.keys.size());
     for (auto k : req_.keys) {
       const Entry* e = kv.find(native_key(k));
-      if (!e) return fail(reason, "MULTI_GET of missing key \"" + std::string(native_key(k)) + "\"");
-      bytes += 8 + e->value.size();
+      if (!e && kv.queue_len(native_key(k)) == 0)
+        return fail(reason, "MULTI_GET of missing key \"" + std::string(native_key(k)) + "\"");
+      bytes += 8 + (e ? e->value.size() : 0);
       found.push_back(e);
     }
     if (bytes > kMaxReplyBytes)
       return fail(reason, "MULTI_GET reply of " + std::to_string(bytes) + " bytes over the limit");
-    for (const Entry* e : found) ts::put_bytes(out, e->value);
+    for (const Entry* e : found) ts::put_bytes(out, e ? std::string_view(e->value) : std::string_view());
     return true;
   }
 

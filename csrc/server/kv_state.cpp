@@ -157,16 +157,15 @@ CasResult KvState::compare_set(ConnId conn, std::string_view key, std::string_vi
   return r;
 }
 
-bool KvState::check(const std::vector<std::string_view>& keys, bool queues_count) const {
-  const WaitKind kind = queues_count ? WaitKind::WaitOrQueue : WaitKind::Wait;
+bool KvState::check(const std::vector<std::string_view>& keys) const {
   for (auto k : keys)
-    if (!present(k, kind)) return false;
+    if (!present(k, WaitKind::Wait)) return false;
   return true;
 }
 
 bool KvState::present(std::string_view key, WaitKind kind) const {
   if (find(key)) return true;
-  return kind == WaitKind::WaitOrQueue && queue_len(key) > 0;
+  return kind == WaitKind::Wait && queue_len(key) > 0;
 }
 
 bool KvState::queue_try_pop(std::string_view queue, std::string* out) {

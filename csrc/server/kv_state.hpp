@@ -38,9 +38,10 @@ inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
 inline constexpr std::size_t kWaiterOverheadBytes = 256;
 inline constexpr std::size_t kWaiterKeyOverheadBytes = 160;
 
-// WaitOrQueue is torch's WAIT: a key also counts as present while a queue of that name holds
-// items (torch's client sends WAIT on the queue before a blocking QUEUE_POP).
-enum class WaitKind : uint8_t { Get, Wait, MultiGet, QueuePop, Barrier, Watch, WaitOrQueue };
+// Wait is torch's WAIT (on both codecs): a name counts as present while a key of that name exists
+// or a queue of that name holds items, as in torch's stores (its client sends WAIT on the queue
+// before a blocking QUEUE_POP). Get and MultiGet wait for keys alone: a queue holds no value.
+enum class WaitKind : uint8_t { Get, Wait, MultiGet, QueuePop, Barrier, Watch };
 
 // A finished blocking request in codec-neutral form. It holds no copy of a stored value: GET and
 // MULTI_GET name their keys and the codec reads the values from KvState when it encodes the reply
@@ -129,7 +130,8 @@ class KvState {
   Status add(std::string_view key, int64_t delta, int64_t* out);
   CasResult compare_set(ConnId conn, std::string_view key, std::string_view expected,
                         std::string_view desired, bool ephemeral);
-  bool check(const std::vector<std::string_view>& keys, bool queues_count = false) const;
+  // Whether every name is present as WAIT counts it: a key, or a queue holding items.
+  bool check(const std::vector<std::string_view>& keys) const;
   bool erase(std::string_view key);
   std::size_t num_keys() const noexcept { return keys_.size(); }
   // The keys under `prefix`, sorted; pointers into the store (valid until the next change), so a
@@ -217,8 +219,8 @@ class KvState {
   bool present(std::string_view key, WaitKind kind) const;
   Completion keys_ready(const Waiter& w) const;  // the OK completion of a Keys waiter
   // A key or queue name became present or absent for the Keys waiters on it; `affects` says
-  // whether that holds for plain waits (a key alone), for WaitOrQueue (key or queue), or both.
-  enum class Affects : uint8_t { Plain, Queue, Both };
+  // whether a key or a queue changed: Wait waiters count either, Get and MultiGet waiters keys only.
+  enum class Affects : uint8_t { Key, Queue };
   void presence_changed(const std::string& name, bool now_present, Affects affects);
   void queue_filled(const std::string& queue);   // a queue went from empty to non-empty
   void queue_drained(const std::string& queue);  // ... and back

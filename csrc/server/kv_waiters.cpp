@@ -40,10 +40,10 @@ void KvState::key_created(const std::string& key) {
     c.key = key;  // the codec reads the value when it encodes the reply
     finish(id, std::move(c));
   }
-  presence_changed(key, true, Affects::Both);
+  presence_changed(key, true, Affects::Key);
 }
 
-void KvState::key_deleted(const std::string& key) { presence_changed(key, false, Affects::Both); }
+void KvState::key_deleted(const std::string& key) { presence_changed(key, false, Affects::Key); }
 
 void KvState::queue_filled(const std::string& queue) {
   presence_changed(queue, true, Affects::Queue);
@@ -52,19 +52,20 @@ void KvState::queue_drained(const std::string& queue) {
   presence_changed(queue, false, Affects::Queue);
 }
 
-// A key's creation or deletion changes presence for plain waits, and for WaitOrQueue unless a
-// queue of that name holds items; a queue filling or draining changes it for WaitOrQueue unless
-// the key exists. Each Keys waiter is listed once per occurrence of the name in its request.
+// A key's creation or deletion changes presence for Get and MultiGet waiters, and for Wait
+// waiters unless a queue of that name holds items; a queue filling or draining changes it for
+// Wait waiters alone, unless the key exists. Each Keys waiter is listed once per occurrence of
+// the name in its request.
 void KvState::presence_changed(const std::string& name, bool now_present, Affects affects) {
   auto it = key_waiters_.find(name);
   if (it == key_waiters_.end()) return;
   const bool other_holds =
-      affects == Affects::Queue ? find(name) != nullptr : queue_len(name) > 0;  // WaitOrQueue
+      affects == Affects::Queue ? find(name) != nullptr : queue_len(name) > 0;  // for Wait
   std::vector<WaiterId> done;
   for (WaiterId id : it->second) {
     Waiter& w = waiters_.at(id);
     if (w.index != Index::Keys) continue;
-    const bool or_queue = w.kind == WaitKind::WaitOrQueue;
+    const bool or_queue = w.kind == WaitKind::Wait;
     if (or_queue ? other_holds : affects == Affects::Queue) continue;
     if (now_present) {
       if (--w.missing == 0) done.push_back(id);
@@ -220,7 +221,6 @@ void KvState::timeout_waiter(WaiterId id) {
   switch (w.kind) {
     case WaitKind::Wait:
     case WaitKind::MultiGet:
-    case WaitKind::WaitOrQueue:
       for (const auto& k : w.keys)
         if (!present(k, w.kind)) c.values.push_back(k);
       break;

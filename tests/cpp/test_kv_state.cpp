@@ -335,9 +335,9 @@ TEST(multi_key_wait_counts_missing_keys_through_deletes) {
   CHECK(f.ready().empty());
 }
 
-TEST(wait_or_queue_counts_keys_and_queues) {
+TEST(wait_counts_keys_and_non_empty_queues) {
   Fixture f;
-  f.kv.wait(2, 1, SV{"k", "q"}, kNoTimeout, WaitKind::WaitOrQueue);
+  f.kv.wait(2, 1, SV{"k", "q"}, kNoTimeout, WaitKind::Wait);
   f.kv.queue_push("q", "item");  // "q" present as a queue
   std::string item;
   CHECK(f.kv.queue_try_pop("q", &item));  // and absent again
@@ -346,8 +346,28 @@ TEST(wait_or_queue_counts_keys_and_queues) {
   f.kv.set(1, "q", "1", false);  // present as a key; a queue filling then changes nothing
   f.kv.queue_push("q", "x");
   CHECK_EQ(f.ready().size(), std::size_t{1});
-  f.kv.wait(2, 2, SV{"q"}, kNoTimeout);  // a plain wait ignores queues
+  f.kv.erase("q");  // the queue still holds an item: "q" stays present
+  CHECK(f.kv.check(SV{"q"}));
+  f.kv.wait(2, 2, SV{"q"}, kNoTimeout);  // answered at once
   CHECK_EQ(f.ready().size(), std::size_t{1});
+  CHECK(f.kv.queue_try_pop("q", &item));
+  CHECK(!f.kv.check(SV{"q"}));
+}
+
+TEST(get_and_multi_get_wait_for_a_value_not_a_queue) {
+  Fixture f;
+  f.kv.queue_push("q", "item");
+  CHECK(f.kv.check(SV{"q"}));
+  CHECK_EQ(f.kv.num_keys(), std::size_t{0});  // a queue is not a stored key
+  CHECK(!f.kv.erase("q"));                     // ... nor deleted as one
+  f.kv.get(1, 1, "q", kNoTimeout);
+  f.kv.wait(1, 2, SV{"q"}, kNoTimeout, WaitKind::MultiGet);
+  CHECK(f.ready().empty());
+  f.kv.queue_push("q", "more");
+  CHECK(f.ready().empty());
+  f.kv.set(1, "q", "v", false);
+  CHECK_EQ(f.ready().size(), std::size_t{2});
+  CHECK_EQ(f.kv.queue_len("q"), int64_t{2});
 }
 
 TEST(watchers_share_the_event_value) {

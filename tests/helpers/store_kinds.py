@@ -27,6 +27,7 @@ BARRIER = "barrier"
 WAKE_BY_ADD = "waiters woken by add"
 BARRIER_WITHDRAWS = "a barrier that withdraws an arrival that timed out"
 STRICT_ADD = "add() on strict decimal int64 counters, refusing overflow"
+GET_WAITS_FOR_A_VALUE = "get() of a name only a queue holds waits for a value"
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 TORCH_ADD = (
@@ -190,8 +191,13 @@ TRAMPOLINE_LACKS = {
     LIST_KEYS: "torch's PythonStore trampoline does not forward listKeys",
     BARRIER_WITHDRAWS: "torch's PrefixStore does not forward barrier: " + TORCH_BARRIER,
 }
+TORCH_CLIENT_GET = (
+    "torch's TCPStore client sends WAIT, which a non-empty queue satisfies, then GET, which "
+    "the server answers with an empty value"
+)
 # What torch's TCPStore client cannot do on our server.
 TCPSTORE_CLIENT_LACKS = {
+    GET_WAITS_FOR_A_VALUE: TORCH_CLIENT_GET,
     ADD_WRONG_TYPE: "torch's TCPStore protocol has no error reply: the server closes "
     "the connection on a failed add, as torch's own server does",
     BARRIER_WITHDRAWS: TORCH_BARRIER,
@@ -206,6 +212,7 @@ KINDS: list[StoreKind] = [
             ADD_WRONG_TYPE: "its libuv server drops the connection on a failed add",
             BARRIER_WITHDRAWS: TORCH_BARRIER,
             STRICT_ADD: TORCH_ADD,
+            GET_WAITS_FOR_A_VALUE: TORCH_CLIENT_GET,
         },
     ),
     StoreKind(

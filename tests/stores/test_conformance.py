@@ -352,6 +352,69 @@ def test_check_counts_a_non_empty_queue(opened: sk.Opened) -> None:
     assert not store.check(["cq"])
 
 
+def test_a_non_empty_queue_is_a_key_for_wait_and_check(opened: sk.Opened) -> None:
+    """torch's stores (TCPStore, HashStore) treat a queue with items as a key for wait() and
+    check(); it holds no value, so the key count and delete_key() leave it out."""
+    opened.require(sk.QUEUES)
+    store = opened.store
+    store.set_timeout(SHORT)
+    base = store.num_keys()
+    store.queue_push("foo", "1")
+    store.queue_push("foo", "2")
+    assert store.check(["foo"])
+    store.wait(["foo"])
+    store.wait(["foo"], SHORT)
+    store.set("plain", "p")
+    store.wait(["foo", "plain"], SHORT)
+    assert store.num_keys() == base + 1  # "plain" only
+    assert store.delete_key("foo") is False  # no value under that name: the queue stays
+    assert store.queue_len("foo") == 2
+    assert store.check(["foo"])
+    assert store.queue_pop("foo") == b"1"
+    assert store.queue_pop("foo") == b"2"
+    assert not store.check(["foo"])
+    _assert_times_out(lambda: store.wait(["foo"], SHORT), SHORT.total_seconds())
+    store.set("foo", "value")  # a value and a queue share the name, each untouched by the other
+    store.queue_push("foo", "3")
+    assert store.get("foo") == b"value"
+    assert store.delete_key("foo") is True
+    assert store.queue_len("foo") == 1
+    store.wait(["foo"], SHORT)
+
+
+def test_get_of_a_name_only_a_queue_holds(opened: sk.Opened) -> None:
+    """A queue holds no value: get() waits for one (HashStore, elasticstore.Store, EtcdStore).
+    torch's TCPStore client sends WAIT (which the queue satisfies) and then GET, answered with
+    an empty value by torch's server, and by ours on that protocol."""
+    opened.require(sk.QUEUES)
+    store = opened.store
+    store.set_timeout(SHORT)
+    store.queue_push("gq", "item")
+    if sk.GET_WAITS_FOR_A_VALUE in opened.kind.lacks:
+        assert store.get("gq") == b""
+        assert store.multi_get(["gq"]) == [b""]
+    else:
+        _assert_times_out(lambda: store.get("gq"), SHORT.total_seconds())
+        _assert_times_out(lambda: store.multi_get(["gq"]), SHORT.total_seconds())
+    assert store.queue_pop("gq", block=False) == b"item"  # the connection is still usable
+    store.set("gq", "v")
+    assert store.get("gq") == b"v"
+
+
+def test_wait_woken_by_queue_push(opened: sk.Opened) -> None:
+    opened.require(sk.QUEUES)
+    other = opened.new_client()
+    done: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: done.append(opened.store.wait(["wk"], timedelta(seconds=10)) is None))
+    waiter.start()
+    _wait_for_waiters(opened, 1)
+    other.queue_push("wk", "pushed")
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert done == [True]
+
+
 def test_queue_pop_woken_by_push(opened: sk.Opened) -> None:
     opened.require(sk.QUEUES)
     other = opened.new_client()

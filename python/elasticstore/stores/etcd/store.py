@@ -218,14 +218,12 @@ class EtcdStore(EtcdWatchPart, EtcdSyncPart):
         return value if value is not None else to_bytes(expected)
 
     def wait(self, keys: list[Key], timeout: Timeout = None) -> None:  # type: ignore[override]
-        full = [self._k(k) for k in keys]
-        self._wait(full, lambda kvs: all(k in kvs for k in full), timeout, "wait")
+        """Until every name is a key or a queue holding items (as in torch's stores)."""
+        self._wait_present(list(keys), timeout, "wait")
 
     def check(self, keys: list[Key]) -> bool:  # type: ignore[override]
-        full = [self._k(k) for k in keys]
-        kvs, _ = self._read(full, self._op_deadline(), "check")
-        # As in torch's stores, a queue with items counts as a key.
-        return all(f in kvs or self.queue_len(k) > 0 for k, f in zip(keys, full))
+        """Whether every name is a key or a queue holding items (as in torch's stores)."""
+        return all(self._presence(list(keys), self._op_deadline(), "check")[0])
 
     def num_keys(self) -> int:
         request = etcdrpc.RangeRequest(key=self._kv, range_end=range_end(self._kv),

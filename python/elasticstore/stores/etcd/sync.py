@@ -10,21 +10,24 @@ that differs from the one of arrivals in progress is refused. Unlike the native 
 cannot withdraw the arrival of a process killed while it waited: it stays counted.
 
 Queues: each item is a key of its own, ``{prefix}/q/{key}\\0{uuid}``, popped oldest first (by
-create revision) with an exactly-once delete.
+create revision) with an exactly-once delete. As in torch's stores, ``wait`` and ``check`` count
+a name as present while a key of that name exists or its queue holds items: one snapshot counts
+both, and a wait watches both from that snapshot's revision + 1.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from etcd3 import etcdrpc
 
 from ...errors import QueueEmptyError, StoreError, StoreTimeoutError, WatchCompactedError
 from ..api import Key, Timeout, Value
-from .base import PUT, Reread, deadline as deadline_of, range_end, to_bytes
-from .txn import _GONE, EtcdTxnPart
+from .base import DELETE, PUT, Reread, deadline as deadline_of, range_end, to_bytes
+from .txn import _GONE, EtcdTxnPart, _op_range
 
 
 def _barrier_state(kv: Any) -> tuple[int, int, int]:
@@ -80,6 +83,50 @@ class EtcdSyncPart(EtcdTxnPart):
             if self._rmw(record, withdraw, "barrier withdrawal")[0]:
                 return generation
             raise
+
+    # -- presence: a key, or a queue holding items (torch's rule for wait and check) -------------
+
+    def _presence(self, keys: list[Key], deadline: float | None, what: str) -> tuple[list[bool], int]:
+        """Whether each name is present, in one snapshot, and that snapshot's revision."""
+        ops = []
+        for k in keys:
+            base = self._qkey(k)
+            ops.append(_op_range(self._k(k), count_only=True))
+            ops.append(_op_range(base, range_end=range_end(base), count_only=True))
+        reply = self._txn(deadline, what, success=ops)
+        counts = [r.response_range.count for r in reply.responses]
+        present = [counts[2 * i] + counts[2 * i + 1] > 0 for i in range(len(keys))]
+        return present, int(reply.header.revision)
+
+    def _wait_present(self, keys: list[Key], timeout: Timeout, what: str) -> None:
+        """Until a snapshot shows every name present; between reads, watches the missing ones
+        (key and queue) from the read's revision + 1, and reads again when one appears."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline, start = deadline_of(timeout), time.monotonic()
+        missing: list[Key] = list(keys)
+        while True:
+            try:
+                present, revision = self._presence(keys, deadline, what)
+                missing = [k for k, here in zip(keys, present) if not here]
+                if not missing:
+                    return
+                creates = []
+                for k in dict.fromkeys(missing):
+                    base = self._qkey(k)
+                    creates.append(etcdrpc.WatchCreateRequest(key=self._k(k),
+                                                              start_revision=revision + 1))
+                    creates.append(etcdrpc.WatchCreateRequest(
+                        key=base, range_end=range_end(base), start_revision=revision + 1))
+                for events in self._stream(creates, deadline):
+                    if any(ev.type != DELETE for ev in events):
+                        break  # one appeared: read all again
+            except (Reread, WatchCompactedError):
+                continue
+            except StoreTimeoutError:
+                secs = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+                raise StoreTimeoutError(
+                    f"EtcdStore.{what}: keys {[str(k) for k in missing]} not ready after "
+                    f"{time.monotonic() - start:.3f}s (timeout {secs}s)") from None
 
     # -- queues ----------------------------------------------------------------------------------
 
