@@ -14,6 +14,7 @@ import pytest
 
 import elasticstore.train.heartbeats as hb
 from elasticstore.agent.hangs import HangWatch, waits_on_peers
+from elasticstore.agent.progress import PeerProgress, local_progress, open_section, public
 from elasticstore.agent.workers import Worker, WorkerSpec
 from elasticstore.ops.stragglers import rank_rows
 from elasticstore.train import heartbeat, section
@@ -89,6 +90,53 @@ def test_the_first_beat_is_awaited_only_from_a_script_known_to_beat(
     watch.beating_seen = True  # a worker of this agent beat before (e.g. the last round)
     why = _judge(watch, worker)
     assert why is not None and why.startswith("no first heartbeat")
+
+
+def test_a_rank_that_never_beats_is_judged_only_while_no_rank_of_the_job_beat(
+        board: tuple[HangWatch, Worker]) -> None:
+    watch, worker = board
+    watch.beating_seen = True
+    time.sleep(0.4)
+    assert _judge(watch, worker) is not None  # nobody beat in this round: start-up hung
+    watch.progressed = True  # another rank (here or on another node) beat in this round
+    assert _judge(watch, worker) is None
+
+
+def test_progress_entries_carry_long_sections_to_the_other_nodes(
+        board: tuple[HangWatch, Worker]) -> None:
+    watch, _ = board
+    heartbeat()
+    view = watch.slot(0)
+    assert view is not None
+    assert local_progress(0, [(0, view)], 0.05, time.monotonic_ns())["sections"] == []
+    with section("eval"):
+        time.sleep(0.1)
+        view = watch.slot(0)
+        assert view is not None
+        assert open_section([(0, view)], time.monotonic_ns()) == \
+            "rank 0 is in section 'eval' (no timeout)"
+        entry = local_progress(4, [(0, view)], 0.05, time.monotonic_ns())
+    assert entry["beaten"] and [(s["rank"], s["name"], s["until"]) for s in entry["sections"]] == [
+        (0, "eval", None)]
+    with section("save", timeout=0.3):
+        time.sleep(0.06)
+        view = watch.slot(0)
+        assert view is not None
+        timed = local_progress(4, [(0, view)], 0.05, time.monotonic_ns())
+    records = [{"host": "n2", "progress": public(entry)}]
+    peers = PeerProgress(lambda: records)
+    assert peers.open_section(4) == "rank 0 on n2 is in section 'eval' (no timeout)"
+    assert peers.beaten(4) and peers.open_section(3) is None and not peers.beaten(3)
+    records[0]["progress"] = public(timed)
+    peers = PeerProgress(lambda: records)
+    assert "section 'save' (" in (peers.open_section(4) or "")
+    time.sleep(0.3)
+    assert peers.open_section(4) is None  # expired: the verdict is no longer held
+
+    def lost() -> list[dict[str, Any]]:
+        raise ConnectionError("the store is gone")
+
+    assert PeerProgress(lost).open_section(4) is None  # a store that fails: nothing known
 
 
 def test_step_and_work_times_are_reported(board: tuple[HangWatch, Worker]) -> None:
