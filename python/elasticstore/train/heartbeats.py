@@ -7,6 +7,10 @@ the worker's Python stacks, ends the round for every node and restarts the group
 
 ``section(name, timeout=None)``: a stretch of work with its own time limit (a checkpoint save, an
 evaluation), during which the steady heartbeat timeout does not apply; ``timeout=None``: no limit.
+While any rank of the job is inside a section that has not expired, the agent judges no rank (the
+others may wait for it in a collective: rank 0 evaluates, the rest wait in a barrier).
+A rank may also never beat (a rank-0-only callback): once another rank beat in the round, it is
+covered by the ranks that do.
 The time spent in sections is also what the straggler view compares across ranks (a rank whose
 own work takes longer than the others'), so wrapping a step's compute in ``section("compute")``
 shows which rank holds the others up; without sections the step time (beat to beat) is compared.
