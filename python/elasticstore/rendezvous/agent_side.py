@@ -58,9 +58,11 @@ class AgentSide:
         """Whether ``exc`` lost a store a survivor may take over: agent-hosted (a host record
         was read) or looked up among several endpoints, hosted elsewhere than here, and this
         node is in the rendezvous (not stepped aside: a node out of it, e.g. unhealthy, may
-        have missed that the run finished and its host left)."""
+        have missed that the run finished and its host left), and the run is not closed (a node
+        back from a SIGSTOP after the job finished must not host it again)."""
         c, listed = self._carried, len(self._settings.endpoints) > 1
         return (self._fails_over and not self._shut and self._alive and self._backend.server is None
+                and self._stop_seen is None and self._carried.closed is None  # not a closed run
                 and (None not in (c.host, c.round) or listed)
                 and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
@@ -77,7 +79,7 @@ class AgentSide:
         watch = self._watch
         if watch is not None:
             watch.end()
-        serve_early(self)  # type: ignore[arg-type]
+        serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
 
     @property
     def round(self) -> RoundState | None:

@@ -1,7 +1,7 @@
 """What a node of the endpoint list serves at its own endpoint while another node hosts the store.
 
-Every agent whose address is an ``--rdzv-endpoint`` entry (and that does not host the store there)
-listens at that entry with a small server of its own, the *follower*, that holds one record: a
+Every agent whose address is an ``--rdzv-endpoint`` entry other than the first (where a node that
+finds no moved store connects: a follower there would pass for the store) listens at that entry with a small server of its own, the *follower*, that holds one record: a
 copy of the run's control records as this node last read them (the host record, hence the epoch,
 and the last round's number) under ``ctl/follower``. Two things rest on it (``failover.py``):
 
@@ -89,11 +89,13 @@ def start_follower(addr: str, port: int, keys: Keys, node: str, token: str | Non
 
 def own_follower(settings: RendezvousSettings, addr: str, keys: Keys, node: str,
                  hosting: bool) -> Follower | None:
-    """The follower of a node whose address is an ``--rdzv-endpoint`` entry (one of several),
-    unless it hosts the store there; None otherwise."""
+    """The follower of a node whose address is an ``--rdzv-endpoint`` entry other than the
+    first (one of several), unless it hosts the store there; None otherwise."""
     if hosting or len(settings.endpoints) < 2:
         return None
-    for host, port in settings.member_endpoints():
+    # Never at the first entry: a node that finds no moved store connects there, and must not
+    # take a follower for the run's store (it would form a fresh run in it).
+    for host, port in settings.member_endpoints()[1:]:
         try:
             if numeric_host(host) == addr:
                 return start_follower(addr, port, keys, node, settings.store_token)

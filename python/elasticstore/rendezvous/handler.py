@@ -44,13 +44,14 @@ from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import Carried, HostRecord, endpoint_of
 from .follower import own_follower
 from .hostprobe import HostProbe, silent_after
+from .native import create_native_backend
 from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
                            local_addr)
 
-__all__ = ["ElasticRendezvousHandler", "RoundWatch"]
+__all__ = ["ElasticRendezvousHandler", "RoundWatch", "native_handler"]
 
 log = logging.getLogger(__name__)
 # Local ids start at a random number: inside a PID namespace every agent is pid 1, and containers
@@ -418,3 +419,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         else:
             self._joined = None  # session-bound: gone with the closed connection
 
+
+def native_handler(settings: RendezvousSettings) -> ElasticRendezvousHandler:
+    """The ``elasticstore`` backend's handler (its row in ``registry.py``)."""
+    return ElasticRendezvousHandler(create_native_backend(settings), settings)

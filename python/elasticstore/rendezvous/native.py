@@ -12,7 +12,6 @@ import logging
 import socket
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
@@ -25,10 +24,7 @@ from .follower import find_copy
 from .settings import RendezvousSettings
 from .state import Keys
 
-if TYPE_CHECKING:
-    from .handler import ElasticRendezvousHandler
-
-__all__ = ["NativeBackend", "connect_native_backend", "create_native_backend", "native_handler"]
+__all__ = ["NativeBackend", "connect_native_backend", "create_native_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +157,3 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
         raise
     backend.endpoint = settings.endpoint
     return backend
-
-
-def native_handler(settings: RendezvousSettings) -> ElasticRendezvousHandler:
-    """The ``elasticstore`` backend's handler (its row in ``registry.py``)."""
-    from .handler import ElasticRendezvousHandler
-
-    return ElasticRendezvousHandler(create_native_backend(settings), settings)

@@ -151,7 +151,7 @@ _HERE = __name__.rpartition(".")[0]
 BACKENDS: tuple[Backend, ...] = (
     Backend(name="elasticstore", label="elasticstore", stands_in_for=("c10d",),
             description="elasticstore's native rendezvous",
-            factory=f"{_HERE}.native:native_handler", plugin="native_plugin",
+            factory=f"{_HERE}.handler:native_handler", plugin="native_plugin",
             connector=f"{__name__}:connect_native", several_endpoints=True),
     Backend(name="elasticstore-etcd", label="etcd", stands_in_for=("etcd-v2",),
             description="elasticstore's rendezvous on etcd v3",

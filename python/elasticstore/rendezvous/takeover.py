@@ -12,26 +12,53 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..errors import AuthenticationError, StoreError, StoreNetworkError, StoreTimeoutError
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
+from .executor import Heartbeat
 from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
                        find_host, read_host, seed)
+from .failover import Carried
+from .follower import Follower
+from .hostprobe import HostProbe
 from .native import NativeBackend, connect_native_backend
+from .settings import RendezvousSettings
+from .state import Keys
 
-if TYPE_CHECKING:
-    from .handler import ElasticRendezvousHandler
+__all__ = ["SwitchingNode", "serve_early", "take_over"]
 
-__all__ = ["serve_early", "take_over"]
+
+class SwitchingNode(Protocol):
+    """What a switch of store host reads and changes of a node (``handler.py``'s handler): its
+    identity, what it carries, and its connections to the store; nothing else of the handler."""
+
+    _settings: RendezvousSettings
+    _keys: Keys
+    _node: str
+    _addr: str
+    _carried: Carried
+    _backend: StoreBackend
+    _spare: StoreBackend | None
+    _heartbeat: Heartbeat | None
+    _probe: HostProbe | None
+    _follower: Follower | None
+    _early: threading.Thread | None
+    _early_backend: StoreBackend | None
+    _alive: bool
+    _moves: list[HostRecord]
+
+    def _attach(self, backend: StoreBackend) -> None: ...
+
+    def _leave_round(self, withdraw: bool = True) -> None: ...
 
 log = logging.getLogger(__name__)
 
 
-def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
+def take_over(handler: SwitchingNode, cause: BaseException) -> None:
     """Moves ``handler`` to the next host of its run's store; raises
     ``RendezvousConnectionError`` when no candidate serves it."""
     h = handler
@@ -76,7 +103,7 @@ def take_over(handler: ElasticRendezvousHandler, cause: BaseException) -> None:
                     old.endpoint, record.endpoint, record.epoch)
 
 
-def _follow(h: ElasticRendezvousHandler, cause: BaseException) -> None:
+def _follow(h: SwitchingNode, cause: BaseException) -> None:
     """A node that saw no round (it waited for its first, or its last one) has no candidates
     of its own: it looks the store up among its ``--rdzv-endpoint`` entries for up to twice
     ``FAILOVER_WAIT`` (the survivors' switch), and joins it where a newer host record shows."""
@@ -101,7 +128,7 @@ def _follow(h: ElasticRendezvousHandler, cause: BaseException) -> None:
         f"{', '.join(settings.endpoints)} within {2 * FAILOVER_WAIT:g}s") from cause
 
 
-def _detach(h: ElasticRendezvousHandler) -> None:
+def _detach(h: SwitchingNode) -> None:
     """Drops what is bound to the lost store; nothing here may wait on it."""
     try:
         h._leave_round(withdraw=False)
@@ -123,7 +150,7 @@ def _detach(h: ElasticRendezvousHandler) -> None:
                 pass
 
 
-def serve_early(h: ElasticRendezvousHandler) -> None:
+def serve_early(h: SwitchingNode) -> None:
     """Called where the loss is noticed (any thread): when this node is the first candidate,
     it starts serving the next epoch now, in a thread of its own, so that stopping its workers
     (which may take up to ``--shutdown-timeout``) neither delays the new host nor gets it
@@ -147,7 +174,7 @@ def serve_early(h: ElasticRendezvousHandler) -> None:
     h._early.start()
 
 
-def _serve(h: ElasticRendezvousHandler, epoch: int, port: int) -> StoreBackend | None:
+def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
     """This node is the candidate: a server on its own address at the store's port (its
     follower's, already listening, when it has one), seeded with the carried state; None when
     it cannot serve (the port is taken). Never a second host of one epoch: when another endpoint
@@ -183,7 +210,7 @@ def _serve(h: ElasticRendezvousHandler, epoch: int, port: int) -> StoreBackend |
         raise
 
 
-def _reach(h: ElasticRendezvousHandler, node: str, epoch: int, port: int) -> NativeBackend | None:
+def _reach(h: SwitchingNode, node: str, epoch: int, port: int) -> NativeBackend | None:
     """Waits up to ``FAILOVER_WAIT`` for ``node`` to serve the run's store with ``epoch``."""
     deadline = time.monotonic() + FAILOVER_WAIT
     addr = addr_of(node)

@@ -1,0 +1,234 @@
+"""A randomized fault schedule (a nemesis) for jobs of real agents on the native backend with an
+agent-hosted store: a job of 3 or 4 nodes (one ``elasticstore-run`` each, on its own 127.0.0.x,
+one endpoint list naming all of them, 1 worker each running ``programs/steps_train.py``) goes
+through episodes; each episode SIGKILLs (and restarts after a random delay, same command line)
+or SIGSTOPs (and SIGCONTs after a random delay) one random node, the store's host among them,
+and sometimes a second one. What is checked (``Job.violations``):
+
+(a) never two groups train in overlapping time under one run id (``step_log.overlaps``);
+(b) after an episode that left a majority of the last round unfaulted (the quorum rule needs
+    more than half of it; a restarted node is a new member), the job trains again within
+    ``RECOVER`` seconds of the last restart/SIGCONT, and at the end every node still running
+    finishes with exit 0;
+(c) what is carried across a switch never goes backwards: the rounds (attempts) of the groups,
+    in the order they trained, strictly increase, and so do their restart counts (not
+    decreasing); each node's console shows its rounds and the store's epochs increasing.
+
+Partitions are not part of the schedule: ``netfaults.py`` puts a node in a network namespace
+with its own subnet, so a job would need every node in a namespace of its own and the endpoint
+list rewritten per node; the partition case is tested on its own
+(``tests/rendezvous/test_rendezvous_failover.py``). A SIGSTOP of a node's whole process tree is
+what a partition looks like from the others (silence, no FIN).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from agent_nodes import Agents, free_port
+from step_log import STEPS_TRAIN, Group, groups, overlaps
+
+RECOVER = 45.0  # s: (b) training again after the last fault of a one-node episode healed
+JOIN_TIMEOUT = 25  # s: rdzv-conf join_timeout of the jobs (a node that cannot join gives up)
+STORE_TIMEOUT = 5  # s: rdzv-conf store_timeout (the host probe's bound, hostprobe.py)
+FINISHED_WITHOUT_IT = "is closed (finished: a job with this run id already succeeded)"
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+@dataclass
+class Fault:
+    node: int
+    kind: str  # "kill" (then restart) or "stop" (then SIGCONT)
+    at: float  # s after the episode's start
+    heal_after: float  # s after the fault
+
+    def describe(self) -> str:
+        return f"{self.kind} node {self.node} at +{self.at:.1f}s, healed {self.heal_after:.1f}s later"
+
+
+def episode(rng: random.Random, nodes: int, host: int) -> list[Fault]:
+    """One episode's faults: one node (the store's host half of the time), sometimes two."""
+    first = host if rng.random() < 0.5 else rng.randrange(nodes)
+    targets = [first]
+    if rng.random() < 0.2:
+        targets.append(rng.choice([n for n in range(nodes) if n != first]))
+    faults = []
+    for node in targets:
+        kind = rng.choice(["kill", "kill", "stop"])
+        heal = rng.uniform(0.2, 3.0) if kind == "kill" else rng.uniform(1.0, 8.0)
+        faults.append(Fault(node, kind, rng.uniform(0.0, 2.0), heal))
+    return faults
+
+
+@dataclass
+class Job:
+    """One job of ``nodes`` agents; ``index`` keeps its addresses apart from other jobs'."""
+
+    workdir: str
+    nodes: int
+    index: int
+    run_id: str
+    port: int = 0
+    agents: Agents = field(init=False)
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    incarnations: dict[int, int] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        os.makedirs(self.workdir, exist_ok=True)
+        self.agents = Agents(self.workdir)
+        self.port = self.port or free_port(self.addr(0))
+
+    def addr(self, node: int) -> str:
+        return f"127.0.{10 + self.index}.{2 + node}"
+
+    def flags(self, node: int) -> list[str]:
+        endpoints = ",".join(f"{self.addr(i)}:{self.port}" for i in range(self.nodes))
+        return ["--nnodes", f"1:{self.nodes}", "--nproc-per-node", "1", "--rdzv-endpoint",
+                endpoints, "--local-addr", self.addr(node), "--rdzv-id", self.run_id,
+                "--max-restarts", "100", "--rdzv-conf",
+                f"last_call_timeout=1,join_timeout={JOIN_TIMEOUT},store_timeout={STORE_TIMEOUT}"]
+
+    def start(self, node: int) -> None:
+        n = self.incarnations.get(node, 0)
+        self.incarnations[node] = n + 1
+        self.procs[node] = self.agents.start(
+            self.flags(node), ["--dir", self.workdir], name=f"node{node}-{n}", script=STEPS_TRAIN,
+            env={"ELASTICSTORE_TEST_NODE": self.addr(node), "STEPS_TERM_DELAY": ""})
+
+    def start_all(self) -> None:
+        for node in range(self.nodes):
+            self.start(node)
+
+    def host(self) -> int:
+        """The node that hosts the store now, as the agents' consoles say (the last move)."""
+        best, addr = 1, self.addr(0)
+        for proc in self.agents.procs:
+            for m in re.finditer(r"moved from \S+ to (\S+):\d+ \(epoch (\d+)\)", self.agents.output(proc)):
+                if int(m.group(2)) > best:
+                    best, addr = int(m.group(2)), m.group(1)
+        return next((i for i in range(self.nodes) if self.addr(i) == addr), 0)
+
+    def keeps_majority(self, faults: list[Fault]) -> bool:
+        """Whether more than half of the last group's nodes are left unfaulted by ``faults``
+        (a restarted node comes back as a new member: it does not count)."""
+        found = groups(self.workdir)
+        if not found:
+            return False
+        last = found[-1].hosts
+        hit = {self.addr(f.node) for f in faults}
+        return 2 * len(last - hit) > len(last)
+
+    def trained_after(self, since: float) -> Group | None:
+        """A group that completed a step that started after ``since``."""
+        return next((g for g in reversed(groups(self.workdir)) if g.last > since), None)
+
+    def wait_training(self, since: float, timeout: float) -> Group | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (g := self.trained_after(since)) is not None:
+                return g
+            if all(p.poll() is not None for p in self.procs.values()):
+                return None
+            time.sleep(0.2)
+        return None
+
+    def run_episode(self, faults: list[Fault]) -> float:
+        """Applies ``faults`` (bounded in time); returns when the last one healed (wall clock)."""
+        start = time.monotonic()
+        events = sorted([(f.at, "fault", f) for f in faults] +
+                        [(f.at + f.heal_after, "heal", f) for f in faults], key=lambda e: e[0])
+        stopped: dict[int, list[int]] = {}
+        for at, what, f in events:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            proc = self.procs[f.node]
+            if what == "fault":
+                self.log.append(f"{time.time():.3f} {f.describe()}")
+                if f.kind == "kill":
+                    _signal([proc.pid], signal.SIGKILL)
+                elif proc.poll() is None:
+                    stopped[f.node] = tree(proc.pid)
+                    _signal(stopped[f.node], signal.SIGSTOP)
+            elif f.kind == "kill":
+                proc.wait(30)
+                self.start(f.node)
+            else:
+                _signal(stopped.pop(f.node, []), signal.SIGCONT)
+        return time.time()
+
+    def finish(self, timeout: float) -> dict[str, int | None]:
+        """Releases the workers once every agent still running was in a round (at most
+        ``timeout``: one restarted late must not find the job over and start it afresh);
+        the exit code of every agent still running (None: hung)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+                p.poll() is None and "[elasticstore-run] round " not in self.agents.output(p)
+                for p in self.procs.values()):
+            time.sleep(0.2)
+        self.agents.release()
+        codes: dict[str, int | None] = {}
+        deadline = time.monotonic() + timeout
+        for node, proc in self.procs.items():
+            try:
+                code: int | None = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if code == 1 and FINISHED_WITHOUT_IT in self.agents.output(proc):
+                code = 0  # stopped (or restarted) while the others finished: told so, clearly
+            codes[f"node{node}"] = code
+        return codes
+
+    def violations(self) -> list[str]:
+        """(a) and (c) over everything the job recorded."""
+        found = groups(self.workdir)
+        bad = [f"(a) two groups at once: {x.describe()} | {y.describe()}" for x, y in overlaps(found)]
+        for x, y in zip(found, found[1:]):
+            if y.attempt <= x.attempt:
+                bad.append(f"(c) round went backwards: {x.describe()} then {y.describe()}")
+            if y.restarts < x.restarts:
+                bad.append(f"(c) restart count went backwards: {x.describe()} then {y.describe()}")
+        for proc in self.agents.procs:
+            out = self.agents.output(proc)
+            for what, pattern in (("round", r"\[elasticstore-run\] round (\d+):"),
+                                  ("epoch", r"\[elasticstore-run\] the rendezvous store moved .* \(epoch (\d+)\)")):
+                seen = [int(v) for v in re.findall(pattern, out)]
+                if any(b <= a for a, b in zip(seen, seen[1:])):
+                    bad.append(f"(c) {proc.name}: {what}s not increasing: {seen}")  # type: ignore[attr-defined]
+        return bad
+
+    def cleanup(self) -> None:
+        for pids in [tree(p.pid) for p in self.agents.procs if p.poll() is None]:
+            _signal(pids, signal.SIGCONT)
+        self.agents.cleanup_quiet()
