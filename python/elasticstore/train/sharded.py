@@ -81,5 +81,6 @@ def refuse_sharded(state: Any, what: str, where: str | None = None) -> None:
         "from FSDP2 (fully_shard) or get_state_dict. One copy serves every rank here, so a rank "
         "would get another rank's shard back: sharded state is refused (nothing was written). "
         "Save sharded state with torch.distributed.checkpoint (dcp.save/dcp.load), or "
-        "snapshot a full, replicated state dict (get_state_dict(..., options=StateDictOptions("
-        "full_state_dict=True, cpu_offload=True)))")
+        "snapshot the full state dict, the same on every rank (get_state_dict(..., "
+        "options=StateDictOptions(full_state_dict=True)), loaded back with set_state_dict and "
+        "the same options)")

@@ -8,10 +8,10 @@ that is the rank's own.
    another local rank's only for replicated state. Every file's identity is checked
    (``identity.check_identity``: step, replicated or per-rank, and for per-rank state the rank and
    world size); one that is not this rank's is skipped with a warning. One all_reduce (MIN) names
-   the lowest rank that read it and the lowest rank that lacks it; only then, for replicated
-   state, the reader broadcasts it (``broadcast_object_list``). Per-rank state cannot come from
-   another rank: every rank raises ``SnapshotMismatchError``. When no rank could read ``M`` after
-   all, disk again.
+   the lowest rank that read it and the lowest rank that lacks it. Per-rank state cannot come
+   from another rank: when any rank lacks its own, every rank raises ``SnapshotMismatchError``.
+   For replicated state the reader broadcasts it (``broadcast_object_list``); when no rank could
+   read ``M`` after all, disk again.
 4. A disk checkpoint is checked too: one written from a snapshot carries its identity and must be
    replicated state; none may hold sharded tensors.
 """
@@ -94,17 +94,17 @@ def restore(directory: str | None, local_rank: int, checkpoint_dir: str | None,
         return Restored(top_mem, local[0], "memory", local[1])
     src, lacking = newest([rank if local is not None else world,
                            world if local is not None else rank], group, dist.ReduceOp.MIN)
-    if src == world:  # listed, but nobody could read it
-        return _disk(checkpoint_dir, group)
-    if lacking == world:
-        assert local is not None
-        return Restored(top_mem, local[0], "memory", local[1])
-    if not replicated:
+    if not replicated and lacking < world:
         raise SnapshotMismatchError(
             f"rank {lacking} of {world} has no snapshot of its own for step {top_mem} (per-rank "
             "state: another rank's cannot stand in for it; the node that held it is gone, or the "
             "world size changed). Resume per-rank state from your own per-rank checkpoints "
             "(torch.distributed.checkpoint), or remove it from the snapshot")
+    if src == world:  # listed, but nobody could read it
+        return _disk(checkpoint_dir, group)
+    if lacking == world:
+        assert local is not None
+        return Restored(top_mem, local[0], "memory", local[1])
     payload: list[Any] = [None]
     if rank == src and local is not None:
         payload = [(Identity(top_mem, rank, world, True).to_dict(), local[0])]
