@@ -49,7 +49,8 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - recorded for the test
                 record["sharded"] = f"{type(err).__name__}: {err}"
             record["area_after_refusal"] = sorted(os.listdir(snap_dir)) if snap_dir else None
-            want = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+            full_sd: Any = get_model_state_dict(model, options=full)
+            want = {k: v.clone() for k, v in full_sd.items()}
             snaps.snapshot({"model": want, "step": 2}, 2)
             with torch.no_grad():
                 for param in model.parameters():
@@ -57,7 +58,7 @@ def main() -> None:
             restored = snaps.restore()
             assert restored is not None
             set_model_state_dict(model, restored.state["model"], options=full)
-            back = get_model_state_dict(model, options=full)
+            back: Any = get_model_state_dict(model, options=full)
             record["restored"] = (restored.step, restored.source)
             record["exact"] = all(torch.equal(back[k], v) for k, v in want.items())
     else:
