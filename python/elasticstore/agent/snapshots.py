@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 __all__ = ["ROOT_ENV", "SNAPSHOT_DIR_ENV", "SnapshotArea", "remove_stale"]
 
-SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"  # what workers read (train/snapshot.py)
+SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"  # what workers read (train/snapshots/writer.py)
 ROOT_ENV = "ELASTICSTORE_SNAPSHOT_ROOT"  # where the agent creates its directory
 DEFAULT_ROOT = "/dev/shm"
 PREFIX = "elasticstore-snapshots."
