@@ -1,0 +1,67 @@
+"""One program, launched from Python with torch's elastic_launch or elasticstore's (the only
+difference is the import): ``launch_api.py torch|elasticstore ok|fail|command PORT OUT [START_METHOD]``.
+
+ok: 2 workers run ``trainer`` (an all_reduce over gloo) and return a value; fail: rank 1 raises;
+command: the workers run this file as a script (``worker``). Writes what elastic_launch returned,
+or the ChildFailedError's failures, to OUT as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def trainer(scale: int, tag: str) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    if tag == "fail" and dist.get_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    if tag == "fail":  # stopped by the launcher because rank 1 failed: not a failure of its own
+        import time
+
+        time.sleep(60)
+    out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item() * scale,
+           "tag": tag, "local_rank": int(os.environ["LOCAL_RANK"]),
+           "warm": "ELASTICSTORE_FORKED_AT" in os.environ}  # forked by elasticstore's fork server
+    if tag != "fail":  # (a destroy would wait for rank 1, which failed)
+        dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    which, mode, port, out = sys.argv[1:5]
+    start_method = sys.argv[5] if len(sys.argv) > 5 else "spawn"
+    if which == "torch":
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    else:
+        from elasticstore.launcher import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"api-{mode}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+                          max_restarts=0, monitor_interval=0.1, start_method=start_method)
+    try:
+        if mode == "command":
+            result = elastic_launch(config, sys.executable)("-u", __file__, "worker")
+        else:
+            result = elastic_launch(config, trainer)(10, mode)
+        report: dict[str, object] = {"result": {str(k): v for k, v in sorted(result.items())}}
+    except ChildFailedError as exc:
+        report = {"failed": exc.name, "failures": {
+            str(rank): {"exitcode": f.exitcode, "message": f.message.get("message", "")
+                        if isinstance(f.message, dict) else str(f.message)}
+            for rank, f in sorted(exc.failures.items())}}
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["worker"]:
+        print(f"command worker rank {os.environ['RANK']}", flush=True)
+    else:
+        main()
