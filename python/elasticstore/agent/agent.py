@@ -48,6 +48,7 @@ from .forkclient import ForkServer, settle_preloads
 from .hangs import Hang, HangWatch
 from .health import HealthGate
 from .logs import open_rank_log, rank_output, run_log_dir, say
+from .platforms import PlatformHooks
 from .rounds import RendezvousCall, assign, say_moves
 from .roundwatch import RoundWatcher
 from .snapshots import SnapshotArea
@@ -82,6 +83,7 @@ class Agent:
         self._failures_used = self._local_attempts = self._rounds = 0
         self._moves_seen = 0  # the handler's store_moves said already
         self._failures: list[Failure] = []
+        self._platform = PlatformHooks()  # the file timer, the launcher's error file
         self._shut = False
         self._operator_stopped = False
         self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
@@ -114,7 +116,8 @@ class Agent:
             self.events, self.handler, self._sig_r, self._live_server, self._clock)
         code = 1
         try:
-            code = self._loop()
+            self._platform.start()
+            code = self._platform.ended(self._loop())
         except Exception as exc:
             if self._stopped_by_operator():
                 if self._rounds == 0:  # closed before this node's first round: a reused run id?
@@ -124,12 +127,14 @@ class Agent:
                 self._refused = self._rounds == 0 and self._run_finished()
                 say(f"[elasticstore-run] {exc}" if self._refused else
                     f"[elasticstore-run] {type(exc).__name__}: {exc}")
+                self._platform.launcher_failed(exc)
                 code = 1
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
             self._hangs.close()
             self._snapshots.close()
+            self._platform.close()
             # The last status while the rendezvous connection is still ours (and no rendezvous
             # thread, interrupted by a signal, still uses it).
             if not self._shut and not self._refused and not (
@@ -192,6 +197,7 @@ class Agent:
                                    not in (None, 0) and w.pid not in {f.pid for f in self._failures}]
                 if self._failures_used >= self.s.max_restarts:
                     say(summary(self.s.entrypoint, self._failures))
+                    self._platform.failed(self._failures)
                     self._close_rendezvous()
                     return 1
                 self._failures_used += 1
@@ -234,7 +240,7 @@ class Agent:
             argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
                              world, error_file)
-            env.update(self._snapshots.env(), **self._hangs.env(local))
+            env.update(self._snapshots.env(), **self._hangs.env(local), **self._platform.worker_env())
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self._log_root else None))
         for tries in range(2):
