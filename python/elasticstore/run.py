@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import signal
 import socket
@@ -33,8 +34,8 @@ from .agent.healthflags import health_settings
 from .agent.logs import parse_std
 from . import schedulers
 from .rendezvous import registry
-from .rendezvous.settings import RendezvousSettings, SettingsError, parse_pairs
-from .runflags import UsageError, parser
+from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint, parse_pairs
+from .runflags import NUMA_MODES, UsageError, parser
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
 
@@ -55,6 +56,7 @@ class RunSettings:
     rdzv_conf: tuple[tuple[str, str], ...]  # --rdzv-conf as given (plus the launcher's keys)
     notices: tuple[str, ...]
     rendezvous: RendezvousSettings  # rdzv_conf and the flags above, parsed and checked
+    log_level: int | None = None  # LOGLEVEL: the launcher's own log records shown from it
 
     @property
     def backend_row(self) -> registry.Backend:
@@ -88,21 +90,37 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 
 def _nproc(text: str) -> int:
+    """torchrun's ``--nproc-per-node``: N, ``cpu``, ``gpu`` (CUDA), ``xpu``, the name of torch's
+    custom (PrivateUse1) device, or ``auto`` (``torch.accelerator``'s devices, else the CPUs)."""
     text = str(text).strip()
     if text.isdigit():
         return _int("--nproc-per-node", text, 1)
-    cpus = len(os.sched_getaffinity(0))
     if text == "cpu":
-        return cpus
-    if text in ("gpu", "auto"):
-        import torch
+        return _cpu_count()
+    import torch
 
-        if torch.cuda.is_available():
-            return int(torch.cuda.device_count())
-        if text == "gpu":
-            raise UsageError("--nproc-per-node", "gpu: CUDA is not available")
-        return cpus
-    raise UsageError("--nproc-per-node", f"{text!r}: expected N, auto, cpu or gpu")
+    if text in ("gpu", "xpu"):
+        mod = torch.cuda if text == "gpu" else torch.xpu
+        if not mod.is_available():
+            raise UsageError("--nproc-per-node", f"{text}: {'CUDA' if text == 'gpu' else 'XPU'} "
+                             "is not available")
+        return int(mod.device_count())
+    if text == "auto":
+        if torch.accelerator.is_available():
+            return int(torch.accelerator.device_count())
+        return _cpu_count()
+    custom = torch._C._get_privateuse1_backend_name()
+    if text == custom:
+        device: Any = getattr(torch, custom, None)
+        if device is None or not device.is_available():
+            raise UsageError("--nproc-per-node", f"{text}: the device is not available")
+        return int(device.device_count())
+    raise UsageError("--nproc-per-node", f"{text!r}: expected N, auto, cpu, gpu, xpu or {custom}")
+
+
+def _cpu_count() -> int:
+    """torch's count for ``cpu``: the CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
@@ -147,18 +165,83 @@ def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -
     """``--rdzv-backend`` as given, else torchrun's default for the command line: ``static``
     (``--master-addr:--master-port`` hosted by node rank 0) for a fixed node count, except one
     node with neither ``--rdzv-endpoint`` nor ``--master-port``, which runs standalone (as
-    torchrun's c10d there); ours for ``--rdzv-endpoint`` or a range of nodes."""
+    torchrun's c10d there); ``--rdzv-endpoint`` with ``--node-rank``: static at that endpoint
+    with that rank (torchrun's static default); ours for ``--rdzv-endpoint`` without
+    ``--node-rank`` (where torchrun's static would give every node rank 0) or a range of nodes."""
     if args.rdzv_backend is not None:
         return str(args.rdzv_backend)
-    if args.standalone or args.rdzv_endpoint or min_nodes != max_nodes:
+    if args.standalone:
+        return "elasticstore"
+    if args.rdzv_endpoint and args.node_rank is not None:
+        return "static"
+    if args.rdzv_endpoint or min_nodes != max_nodes:
         return "elasticstore"
     return "elasticstore" if max_nodes == 1 and args.master_port is None else "static"
+
+
+def _refused(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """torchrun's flags that cannot be given their meaning here: refused when given, by flag or
+    by ``PET_<FLAG>`` (never ignored)."""
+    for dest, flag in (("duplicate_stdout_filters", "--duplicate-stdout-filters"),
+                       ("duplicate_stderr_filters", "--duplicate-stderr-filters")):
+        if getattr(args, dest):
+            raise UsageError(flag, "not supported by elasticstore-run: torchrun copies the "
+                             "matching lines of the teed ranks to <log-dir>/.../filtered_std*.log; "
+                             "filter the per-rank logs of --log-dir instead "
+                             f"(also given as {_env_of(flag)})")
+
+
+def _virtual_local_rank(args: argparse.Namespace, environ: Mapping[str, str], nproc: int) -> bool:
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
+        raise UsageError("--virtual-local-rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES="
+                         f"{visible} lists {len(visible.split(','))} device(s): each worker "
+                         "sees the device of its local rank")
+    return bool(args.virtual_local_rank)
+
+
+def _numa(mode: str | None, nproc: int) -> tuple[frozenset[int], ...] | None:
+    """``--numa-binding``: every local rank's CPUs, placed before anything starts."""
+    if mode is None:
+        return None
+    if mode not in NUMA_MODES:
+        raise UsageError("--numa-binding", f"{mode!r}: expected one of {', '.join(NUMA_MODES)}")
+    from .agent.numa import bindings
+
+    try:
+        return bindings(mode, nproc)
+    except (RuntimeError, OSError) as exc:
+        raise UsageError("--numa-binding", f"{mode}: {exc}") from None
+
+
+def _log_level(environ: Mapping[str, str]) -> int | None:
+    """torchrun's ``LOGLEVEL`` (a level name): also the level of elasticstore's own loggers."""
+    text = environ.get("LOGLEVEL")
+    if not text:
+        return None
+    level = logging.getLevelName(text.strip().upper())
+    if not isinstance(level, int):
+        raise UsageError("LOGLEVEL", f"{text!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
+
+
+def _show_logs(level: int, prog: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{prog}] %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("elasticstore")
+    logger.setLevel(level)
+    logger.addHandler(handler)
+
+
+def _env_of(flag: str) -> str:
+    return "PET_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
           legacy: bool = False) -> RunSettings:
     """Flags (and ``PET_*``) -> settings; raises ``UsageError`` naming the flag."""
     args, taken = schedulers.parse_args(parser(environ, legacy=legacy), argv, environ)
+    _refused(args, environ)
     notices: list[str] = taken  # what a scheduler's environment gave (schedulers/)
     min_nodes, max_nodes = _nnodes(args.nnodes)
     backend_arg = _default_backend(args, min_nodes, max_nodes)
@@ -184,7 +267,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
     local_addr = args.local_addr
     master_port = _int("--master-port", args.master_port, 1) if args.master_port is not None else 29500
-    node_rank = _int("--node-rank", args.node_rank)
+    node_rank = _int("--node-rank", args.node_rank) if args.node_rank is not None else 0
     if args.standalone or (backend == "elasticstore" and not endpoint and max_nodes == 1):
         if max_nodes != 1 and args.standalone:
             raise UsageError("--standalone", f"needs --nnodes 1, got {args.nnodes}")
@@ -194,15 +277,23 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         backend, endpoint = row.label, f"127.0.0.1:{_free_port('127.0.0.1')}"
         local_addr, conf = local_addr or "127.0.0.1", (*conf, ("is_host", "1"))
     if backend == "static":
+        why = (" (--node-rank with --rdzv-endpoint and no --rdzv-backend: torchrun's static "
+               "rendezvous at that endpoint)" if args.rdzv_backend is None and endpoint else "")
         endpoint = endpoint or f"{args.master_addr}:{master_port}"
         if min_nodes != max_nodes:
-            raise UsageError("--nnodes", f"{args.nnodes}: the static backend needs a fixed count")
+            raise UsageError("--nnodes", f"{args.nnodes}: the static backend needs a fixed count{why}")
         if node_rank >= max_nodes:
             raise UsageError("--node-rank", f"{node_rank} must be below --nnodes {max_nodes}")
         conf = (*conf, ("rank", str(node_rank)))
     elif not endpoint:
         raise UsageError("--rdzv-endpoint", f"required by the {backend} backend for --nnodes {args.nnodes}")
+    elif node_rank != 0:  # as torchrun's warning, where the rank cannot be honoured
+        notices.append(f"--node-rank {node_rank}: ignored by the {backend} rendezvous (only the "
+                       "static one takes it); node ranks follow the order of arrival")
     rdzv = _rendezvous(row, run_id, endpoint, min_nodes, max_nodes, local_addr, conf)
+    notices += rdzv.notices
+    if rdzv.is_host and parse_endpoint(endpoint.split(",")[0], rdzv.port, any_port=True)[1] == 0:
+        endpoint = rdzv.endpoint  # host:0 -> the free port chosen for it
     extra_env: list[tuple[str, str]] = []
     if "OMP_NUM_THREADS" not in environ and nproc > 1:
         extra_env.append(("OMP_NUM_THREADS", "1"))
@@ -231,10 +322,18 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     kind = "exec" if args.no_python and not args.run_path else ("module" if args.module else "script")
     if args.no_python and args.module:
         raise UsageError("--no-python", "cannot be combined with --module")
+    python = environ.get("PYTHON_EXEC") or None  # torchrun's interpreter for the workers
+    if python == sys.executable:
+        python = None
+    warm = args.start_method != "spawn" and kind != "exec"
+    if python is not None and warm:
+        warm = False
+        notices.append(f"PYTHON_EXEC={python}: workers start as plain processes under it "
+                       "(no warm start: the fork server runs this launcher's Python)")
     agent = AgentSettings(
         entrypoint=args.training_script, args=tuple(args.training_script_args), nproc=nproc,
         run_id=run_id, host=local_addr or socket.gethostname(), kind=kind,
-        warm=args.start_method != "spawn" and kind != "exec",
+        warm=warm, python=python,
         preload_imports=not args.no_preload_imports, role=str(args.role),
         max_restarts=_int("--max-restarts", args.max_restarts), monitor_interval=monitor,
         shutdown_timeout=float(_int("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
@@ -247,9 +346,11 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         heartbeat_timeout=_timeout("--heartbeat-timeout", args.heartbeat_timeout),
         first_heartbeat_timeout=_timeout("--first-heartbeat-timeout", args.first_heartbeat_timeout),
         health=health_settings(args, UsageError, rdzv.join_timeout),
+        virtual_local_rank=_virtual_local_rank(args, environ, nproc),
+        cpu_affinity=_numa(args.numa_binding, nproc),
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
-                       tuple(notices), rdzv)
+                       tuple(notices), rdzv, _log_level(environ))
 
 
 def make_handler(rs: RunSettings) -> Any:
@@ -258,6 +359,8 @@ def make_handler(rs: RunSettings) -> Any:
 
 
 def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
+    if rs.log_level is not None:
+        _show_logs(rs.log_level, prog)
     for notice in rs.notices:
         print(f"[{prog}] {notice}", file=sys.stderr, flush=True)
     a = rs.agent

@@ -1,7 +1,7 @@
 """The flags of ``elasticstore-run`` (``run.py`` parses them into settings): every flag with
 torchrun's defaults, its dashed and underscored spellings, its ``PET_<FLAG>`` environment fallback
 (torch's ``env`` and ``check_env`` actions), abbreviated long flags as torchrun's parser takes them,
-and the flags not supported yet, refused by name. A bad flag raises :class:`UsageError` naming it
+and the flags not supported, refused by name with the reason. A bad flag raises :class:`UsageError` naming it
 (``elasticstore-run`` prints one line and exits 2). The health check's flags: ``agent/healthflags.py``.
 """
 
@@ -15,10 +15,16 @@ from typing import Any
 from .agent.config import FIRST_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT
 from .agent.healthflags import add_flags as add_health_flags
 
-__all__ = ["UNSUPPORTED", "UsageError", "parser"]
+__all__ = ["NUMA_MODES", "UNSUPPORTED", "UsageError", "parser"]
 
-UNSUPPORTED = ("--logs-specs", "--numa-binding", "--virtual-local-rank",
-               "--duplicate-stdout-filters", "--duplicate-stderr-filters")
+# torchrun's flags that elasticstore-run refuses, each with the reason (``run.py`` refuses them
+# when given, by flag or by ``PET_<FLAG>``).
+UNSUPPORTED = {
+    "--logs-specs": "a torchrun.logs_specs plugin decides the file layout of torchrun's own log "
+                    "pipeline, which elasticstore-run does not use (its logs: --log-dir, "
+                    "--log-layout torchrun for torchrun's layout)",
+}
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 
 
 class UsageError(ValueError):
@@ -66,7 +72,8 @@ class _Refused(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        raise UsageError(str(option_string), "not supported by elasticstore-run (yet)")
+        longest = max(self.option_strings, key=len).replace("_", "-")
+        raise UsageError(str(option_string), f"not supported by elasticstore-run: {UNSUPPORTED[longest]}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +97,7 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
         "--nnodes": "1:1", "--nproc-per-node": "1", "--rdzv-backend": None,
         "--rdzv-endpoint": "", "--rdzv-id": "none", "--rdzv-conf": "", "--max-restarts": "0",
         "--monitor-interval": "0.1", "--start-method": "forkserver", "--role": "default",
-        "--log-dir": None, "--log-layout": "elasticstore", "--local-ranks-filter": "", "--node-rank": "0",
+        "--log-dir": None, "--log-layout": "elasticstore", "--local-ranks-filter": "", "--node-rank": None,
         "--master-addr": "127.0.0.1", "--master-port": None, "--local-addr": None,
         "--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout": None,
         "--event-log-handler": "null", "--metrics-port": None, "--metrics-addr": "127.0.0.1",
@@ -106,7 +113,11 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument(*_names("--run-path"), action=_CheckEnv)
     p.add_argument(*_names("--no-preload-imports"), action=_CheckEnv)
     add_health_flags(p, _names, _Env, _CheckEnv)  # --health-check* (agent/healthflags.py)
-    for flag in UNSUPPORTED:
+    p.add_argument(*_names("--virtual-local-rank"), action=_CheckEnv)
+    for flag in ("--duplicate-stdout-filters", "--duplicate-stderr-filters"):
+        p.add_argument(*_names(flag), action=_Env, default="")
+    p.add_argument(*_names("--numa-binding"), default=None)  # torch's has no PET_ variable
+    for flag in UNSUPPORTED:  # torch's have no PET_ variable
         p.add_argument(*_names(flag), action=_Refused)
     p.add_argument("training_script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)

@@ -81,9 +81,12 @@ def test_start_methods_and_output_flags() -> None:
         (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2", "t.py"], "--node-rank"),
         (["--rdzv-conf", "novalue", "t.py"], "--rdzv-conf"),
         (["--logs-specs", "x", "t.py"], "--logs-specs"),
-        (["--numa-binding", "node", "t.py"], "--numa-binding"),
-        (["--virtual-local-rank", "t.py"], "--virtual-local-rank"),
-        (["--duplicate_stdout_filters", "a", "t.py"], "--duplicate_stdout_filters"),
+        (["--numa-binding", "bogus", "t.py"], "--numa-binding"),
+        (["--duplicate_stdout_filters", "a", "t.py"], "--duplicate-stdout-filters"),
+        (["--rdzv-endpoint", "localhost:0", "--nnodes", "2", "t.py"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "localhost:0", "t.py"], "--rdzv-endpoint"),
+        (["--rdzv-endpoint", "h:1", "--node-rank", "1", "--nnodes", "1:2", "t.py"], "--nnodes"),
+        (["--nproc-per-node", "xpu", "t.py"], "--nproc-per-node"),
         (["--event-log-handler", "bogus", "t.py"], "--event-log-handler"),
     ],
 )
@@ -198,3 +201,103 @@ def test_heartbeat_timeouts() -> None:
     for bad in ("-1", "x", "nan"):
         with pytest.raises(UsageError, match="--heartbeat-timeout"):
             parse(["--heartbeat-timeout", bad, "t.py"])
+
+
+def test_rdzv_endpoint_port_0_is_a_free_port_hosted_here_on_one_node() -> None:
+    # torchrun --rdzv-endpoint localhost:0 (torchtitan's run script): one node, any free port.
+    for backend in ([], ["--rdzv-backend", "c10d"], ["--rdzv-backend", "static"]):
+        rs = parse([*backend, "--rdzv-endpoint", "localhost:0", "t.py"], {})
+        host, _, port = rs.endpoint.rpartition(":")
+        assert host == "localhost" and int(port) > 0 and rs.rendezvous.port == int(port), rs.endpoint
+        assert rs.backend == "static" or rs.rendezvous.is_host
+    with pytest.raises(UsageError, match="port 0 .* needs --nnodes 1"):
+        parse(["--rdzv-endpoint", "localhost:0", "--nnodes", "1:2", "t.py"], {})
+
+
+def test_node_rank_with_rdzv_endpoint_and_no_backend_is_torchruns_static() -> None:
+    # torchrun's --rdzv-backend defaults to static: the endpoint is node rank 0's store.
+    for argv, env in ((["--node-rank", "1"], {}), ([], {"PET_NODE_RANK": "1"})):
+        rs = parse(["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:1234", *argv, "t.py"], env)
+        assert (rs.backend, rs.endpoint, rs.rendezvous.rank) == ("static", "10.0.0.1:1234", 1)
+    # Without --node-rank every torchrun node would be rank 0: ours, ranks by arrival.
+    assert parse(["--nnodes", "2", *EP, "t.py"], {}).backend == "elasticstore"
+    # A backend that cannot take it: said, never silently dropped (torchrun warns too).
+    rs = parse(["--rdzv-backend", "c10d", "--nnodes", "2", *EP, "--node-rank", "1", "t.py"], {})
+    assert any(n.startswith("--node-rank 1: ignored") for n in rs.notices), rs.notices
+
+
+def test_torchs_rdzv_conf_keys_are_mapped_or_noticed() -> None:
+    conf = "read_timeout=7,keep_alive_interval=2,keep_alive_max_attempt=4,store_type=tcp,heartbeat_timeout=9"
+    rs = parse(["--rdzv-backend", "c10d", "--nnodes", "2", *EP, "--rdzv-conf", conf, "t.py"], {})
+    assert (rs.rendezvous.store_timeout, rs.rendezvous.lease_ttl) == (7.0, 8.0)
+    assert [n.split(":")[0] for n in rs.notices[1:]] == ["--rdzv-conf heartbeat_timeout",
+                                                          "--rdzv-conf store_type=tcp"]
+    assert parse(["--nnodes", "2", *EP, "--rdzv-conf", "keep_alive_interval=3", "t.py"],
+                 {}).rendezvous.lease_ttl == 9.0  # torch's default of 3 attempts
+    etcd = parse(["--rdzv-backend", "etcd-v2", "--nnodes", "2", "--rdzv-endpoint", "h:2379",
+                  "--rdzv-conf", "protocol=https,ca_cert=/ca,ssl_cert=/c,ssl_cert_key=/k", "t.py"], {})
+    assert (etcd.rendezvous.cacert, etcd.rendezvous.cert, etcd.rendezvous.key) == ("/ca", "/c", "/k")
+    for bad, why in (("store_type=file", "FileStore"), ("read_timeout=1,store_timeout=2", "twice"),
+                     ("keep_alive_max_attempt=0", "positive integer"),
+                     ("keep_alive_interval=5,lease_ttl=3", "twice")):
+        with pytest.raises(UsageError, match=f"^--rdzv-conf: .*{why}"):
+            parse(["--nnodes", "2", *EP, "--rdzv-conf", bad, "t.py"], {})
+
+
+def test_nproc_per_node_names_as_torchruns() -> None:
+    from torch.distributed.run import determine_local_world_size
+
+    for name in ("auto", "cpu"):
+        assert parse(["--nproc-per-node", name, "t.py"], {}).agent.nproc == determine_local_world_size(name)
+    with pytest.raises(ValueError, match="Xpu is not available"):
+        determine_local_world_size("xpu")
+    with pytest.raises(UsageError, match="^--nproc-per-node: xpu: XPU is not available"):
+        parse(["--nproc-per-node", "xpu", "t.py"], {})
+
+
+def test_nproc_per_node_custom_device_and_auto_on_any_accelerator() -> None:
+    # A custom device (torch's PrivateUse1, renamed): torchrun counts its devices; auto counts
+    # torch.accelerator's. In a process of its own: the rename cannot be undone.
+    code = """
+import torch
+from torch.distributed.run import determine_local_world_size
+from elasticstore.run import parse
+class Fake:
+    @staticmethod
+    def is_available(): return True
+    @staticmethod
+    def device_count(): return 3
+torch.utils.rename_privateuse1_backend("fakedev")
+torch._register_device_module("fakedev", Fake)
+print(determine_local_world_size("fakedev"), parse(["--nproc-per-node", "fakedev", "t.py"], {}).agent.nproc)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3", "3"], proc.stdout
+
+
+def test_refused_flags_say_why_and_their_pet_variables_are_never_ignored() -> None:
+    with pytest.raises(UsageError, match="^--logs-specs: not supported by elasticstore-run: a torchrun.logs_specs"):
+        parse(["--logs-specs", "x", "t.py"], {})
+    for var in ("PET_DUPLICATE_STDOUT_FILTERS", "PET_DUPLICATE_STDERR_FILTERS"):
+        flag = "--" + var[4:].lower().replace("_", "-")
+        with pytest.raises(UsageError, match=f"^{flag}: .*{var}"):
+            parse(["t.py"], {var: "apple"})
+    assert parse(["t.py"], {"PET_VIRTUAL_LOCAL_RANK": "1"}).agent.virtual_local_rank
+    assert parse(["--virtual-local-rank", "t.py"], {}).agent.virtual_local_rank
+    with pytest.raises(UsageError, match="^--virtual-local-rank: 2 workers but CUDA_VISIBLE_DEVICES=3"):
+        parse(["--virtual-local-rank", "--nproc-per-node", "2", "t.py"], {"CUDA_VISIBLE_DEVICES": "3"})
+    # --numa-binding places rank i near CUDA device i: refused with the reason where there is none.
+    with pytest.raises(UsageError, match="^--numa-binding: node: needs CUDA devices"):
+        parse(["--numa-binding", "node", "t.py"], {})
+
+
+def test_python_exec_and_loglevel() -> None:
+    rs = parse(["t.py"], {"PYTHON_EXEC": "/opt/py/bin/python3"})
+    assert rs.agent.python == "/opt/py/bin/python3" and not rs.agent.warm
+    assert any(n.startswith("PYTHON_EXEC=/opt/py/bin/python3: workers start as plain") for n in rs.notices)
+    assert parse(["t.py"], {"PYTHON_EXEC": sys.executable}).agent.warm  # the same interpreter
+    assert parse(["t.py"], {"LOGLEVEL": "info"}).log_level == 20
+    assert parse(["t.py"], {}).log_level is None
+    with pytest.raises(UsageError, match="^LOGLEVEL: 'LOUD'"):
+        parse(["t.py"], {"LOGLEVEL": "LOUD"})

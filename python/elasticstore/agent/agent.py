@@ -60,6 +60,9 @@ _SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
 
 
 class Agent:
+    # Failure restarts of the job so far (the last round's TORCHELASTIC_RESTART_COUNT), and
+    # whether this node spent one since (rounds.assign makes them one count on every node).
+    _restart_count = _spent = 0
     def __init__(
         self,
         settings: AgentSettings,
@@ -201,6 +204,7 @@ class Agent:
                     self._close_rendezvous()
                     return 1
                 self._failures_used += 1
+                self._spent = 1  # the next round's restart count is one more (rounds.assign)
                 self.events.publish(failure_restarts=self._failures_used)
                 say(f"[elasticstore-run] {detail}; restart {self._failures_used}/{self.s.max_restarts}")
             else:
@@ -216,11 +220,15 @@ class Agent:
         return call.wait(self._sig_r)
 
     def _assign(self, info: RendezvousInfo) -> tuple[int, int, int]:
-        """(attempt, first global rank here, world size) (``rounds.assign``)."""
+        """(attempt, first global rank here, world size) (``rounds.assign``); the round's
+        restart count (``TORCHELASTIC_RESTART_COUNT``) in ``_restart_count``."""
         rnd = self.handler.round
         attempt = rnd.round - 1 if rnd is not None else self._local_attempts
         self._local_attempts += 1
-        return (attempt, *assign(info, attempt, self.s.nproc))
+        base, world, self._restart_count = assign(info, attempt, self.s.nproc,
+                                                  self._restart_count + self._spent)
+        self._spent = 0
+        return attempt, base, world
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         self._server = settle_preloads(self._live_server(), self.events)
@@ -239,7 +247,7 @@ class Agent:
             error_file = os.path.join(rank_dir, "error.json")
             argv, kind = worker_argv(self.s, local)
             env = worker_env(self.s, info, self.handler.use_agent_store, attempt, local, rank,
-                             world, error_file)
+                             world, error_file, self._restart_count)
             env.update(self._snapshots.env(), **self._hangs.env(local), **self._platform.worker_env())
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self._log_root else None))

@@ -97,6 +97,11 @@ class AgentSettings:
     heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT  # None: off
     first_heartbeat_timeout: float | None = FIRST_HEARTBEAT_TIMEOUT
     health: HealthSettings = field(default_factory=HealthSettings)  # checks before joining
+    # --virtual-local-rank: LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES the worker's one device
+    virtual_local_rank: bool = False
+    # --numa-binding: the CPUs of each local rank (numa.py), applied in the worker at its start
+    cpu_affinity: tuple[frozenset[int], ...] | None = None
+    python: str | None = None  # PYTHON_EXEC: the interpreter of plain (not warm) workers
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -105,5 +110,7 @@ class AgentSettings:
             raise ValueError(f"max-restarts {self.max_restarts}: must be >= 0")
         if self.log_layout not in ("elasticstore", "torchrun"):
             raise ValueError(f"log-layout {self.log_layout!r}: expected elasticstore or torchrun")
+        if self.cpu_affinity is not None and len(self.cpu_affinity) != self.nproc:
+            raise ValueError(f"cpu_affinity: {len(self.cpu_affinity)} sets for {self.nproc} workers")
         if self.kind not in ("script", "module", "exec"):
             raise ValueError(f"kind {self.kind!r}")

@@ -255,6 +255,10 @@ def _enter_worker(job: dict[str, Any]) -> None:
             os.dup2(fd, target)
             os.close(fd)
     os.chdir(job["cwd"])
+    cpus = job["env"].get("ELASTICSTORE_CPU_AFFINITY")
+    if cpus:  # --numa-binding (numa.py): before the script, so every thread and child inherits it
+        os.sched_setaffinity(0, {c for part in cpus.split(",") for lo, _, hi in [part.partition("-")]
+                                 for c in range(int(lo), int(hi or lo) + 1)})
 
 
 def _run_warm(job: dict[str, Any]) -> None:

@@ -81,23 +81,31 @@ class RendezvousCall:
             self._done_r.close()
 
 
-def _nproc_of(value: bytes, node: int) -> int:
-    """A node's worker count from its record in the round's store (validated: the store is input)."""
-    nproc = int_field(parse_record(value, f"node {node}'s worker count"), "nproc")
+def _node_of(value: bytes, node: int) -> tuple[int, int]:
+    """A node's (worker count, failure restarts it knows of) from its record in the round's
+    store (validated: the store is input)."""
+    record = parse_record(value, f"node {node}'s worker count")
+    nproc, restarts = int_field(record, "nproc"), int_field(record, "restarts")
     if nproc is None or nproc < 1:
         raise ValueError(f"node {node}'s worker count is not a positive integer: {value[:80]!r}")
-    return nproc
+    if restarts is None or restarts < 0:
+        raise ValueError(f"node {node}'s restart count is not an integer >= 0: {value[:80]!r}")
+    return nproc, restarts
 
 
-def assign(info: RendezvousInfo, attempt: int, nproc: int) -> tuple[int, int]:
-    """(first global rank here, world size): this node publishes its worker count in the
-    round's store and reads the others' (one set, one wait, one multi_get)."""
+def assign(info: RendezvousInfo, attempt: int, nproc: int, restarts: int = 0) -> tuple[int, int, int]:
+    """(first global rank here, world size, restart count): this node publishes its worker count
+    and the job's failure restarts as it knows them (the last round's count, plus one when its
+    own failure ended that round) in the round's store and reads the others' (one set, one wait,
+    one multi_get). The restart count, the largest known, is the same on every node: torch's
+    ``TORCHELASTIC_RESTART_COUNT`` counts restarts after failures, never membership changes."""
     store, keys = info.store, AgentKeys(attempt)
-    store.set(keys.node(info.rank), json.dumps({"nproc": nproc}))
+    store.set(keys.node(info.rank), json.dumps({"nproc": nproc, "restarts": restarts}))
     names = [keys.node(i) for i in range(info.world_size)]
     store.wait(names, timedelta(seconds=ASSIGN_TIMEOUT))
-    counts = [_nproc_of(v, node) for node, v in enumerate(store.multi_get(names))]
-    return sum(counts[: info.rank]), sum(counts)
+    nodes = [_node_of(v, node) for node, v in enumerate(store.multi_get(names))]
+    counts = [n for n, _ in nodes]
+    return sum(counts[: info.rank]), sum(counts), max(r for _, r in nodes)
 
 
 def say_moves(handler: AgentRendezvous, events: Any, seen: int) -> int:

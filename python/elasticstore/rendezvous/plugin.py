@@ -10,6 +10,7 @@ point names a row's ``plugin`` attribute of this module (``native_plugin``, ...)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,12 @@ def create_handler(backend: str, params: RendezvousParameters) -> RendezvousHand
     from .registry import backend as row_of
 
     row = row_of(backend)
-    handler: RendezvousHandler = row.create_handler(row.settings(
+    settings = row.settings(
         run_id=params.run_id, endpoint=params.endpoint, min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes, local_addr=params.local_addr, config=params.config))
+        max_nodes=params.max_nodes, local_addr=params.local_addr, config=params.config)
+    for notice in settings.notices:  # torch's --rdzv-conf keys that mean nothing here
+        logging.getLogger(__name__).warning("%s", notice)
+    handler: RendezvousHandler = row.create_handler(settings)
     return handler
 
 

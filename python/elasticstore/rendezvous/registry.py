@@ -105,7 +105,7 @@ class Backend:
         return RendezvousSettings.from_config(
             run_id=run_id, endpoint=endpoint, min_nodes=min_nodes, max_nodes=max_nodes,
             local_addr=local_addr, config=config, default_port=self.default_port,
-            several=self.several_endpoints)
+            several=self.several_endpoints, any_port=self.hosts_store)
 
     def create_handler(self, settings: RendezvousSettings) -> Any:
         """A new handler for ``settings`` (imports torch and the backend's module)."""

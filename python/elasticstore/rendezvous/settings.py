@@ -25,6 +25,28 @@ token_file           (env)     native/static: file holding the shared token; the
 timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
 ==================== ========= ================================================================
 
+torch's own keys, so a torchrun command line runs unchanged:
+
+====================== ====================================================================
+torch's key            here
+====================== ====================================================================
+read_timeout           c10d/etcd-v2: ``store_timeout`` (seconds one store operation may take)
+keep_alive_interval    c10d: with ``keep_alive_max_attempt`` (torch's defaults 5 and 3), a
+keep_alive_max_attempt node silent for interval x attempts is lost: ``lease_ttl`` = their product
+heartbeat_timeout      c10d: accepted with a notice (a keep-alive here is one store write)
+store_type             c10d: ``tcp`` accepted with a notice (the native store serves the
+                       rendezvous); ``file`` refused (no rendezvous on a FileStore)
+ssl_cert / ssl_cert_key etcd-v2: ``cert`` / ``key`` (the client certificate and its key)
+====================== ====================================================================
+
+A key given twice under both names (``read_timeout`` and ``store_timeout``, ``keep_alive_*`` and
+``lease_ttl``, ``ssl_cert`` and ``cert``) with different values is refused. The notices are in
+``RendezvousSettings.notices`` (the launcher prints them; the torchrun plugin path logs them).
+
+``--rdzv-endpoint host:0`` (torch's ``localhost:0``: any free port) is taken for one node on a
+backend whose agent hosts the store: a free port of ``host`` is chosen and this node hosts the
+store (``is_host``); with more nodes it is refused (the others could not learn the port).
+
 An unknown key or a bad value raises :class:`SettingsError` (a ``ValueError``) naming the key
 and the reason, and in ``flag`` the launcher's flag it came from. Quotes left in
 by a shell or torch's parser (``'join_timeout=5,timeout=5'``, ``key="value"``) are dropped.
@@ -34,6 +56,7 @@ by a shell or torch's parser (``'join_timeout=5,timeout=5'``, ``key="value"``) a
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -48,12 +71,18 @@ __all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host"
            "parse_pairs", "settings_from_params", "unquote_config"]
 
 DEFAULT_PORT = 29400
+log = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
-_STRINGS = ("etcd_prefix", "cacert", "ca_cert", "cert", "key", "user", "password", "protocol")
-_KNOWN = {*_SECONDS, *_STRINGS, "is_host", "failover", "rank", "timeout", "token_file"}
+_STRINGS = ("etcd_prefix", "cacert", "cert", "key", "user", "password", "protocol")
+# torch's keys taken under another name here: torch's name -> ours
+_TORCH_ALIASES = {"read_timeout": "store_timeout", "ssl_cert": "cert", "ssl_cert_key": "key",
+                  "ca_cert": "cacert"}
+_TORCH_KEEP_ALIVE = {"keep_alive_interval": 5, "keep_alive_max_attempt": 3}  # torch's defaults
+_KNOWN = {*_SECONDS, *_STRINGS, *_TORCH_ALIASES, *_TORCH_KEEP_ALIVE, "is_host", "failover", "rank",
+          "timeout", "token_file", "heartbeat_timeout", "store_type"}
 _QUOTES = ("'", '"')
 
 
@@ -107,8 +136,9 @@ def numeric_host(host: str) -> str:
         return str(infos[0][4][0])
 
 
-def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """``host[:port]`` (IPv6 in brackets) -> (host, port)."""
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT,
+                   any_port: bool = False) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) -> (host, port); ``any_port``: port 0 is taken."""
     endpoint = endpoint.strip()
     if not endpoint:
         raise SettingsError("rdzv endpoint: empty (expected host[:port])", "--rdzv-endpoint")
@@ -121,7 +151,7 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> tuple[str
         host, port_text = endpoint, ""
     if not port_text:
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not port_text.isdigit() or not (0 if any_port else 1) <= int(port_text) < 65536:
         raise SettingsError(f"rdzv endpoint {endpoint!r}: port {port_text!r} is not a port number",
                             "--rdzv-endpoint")
     return host, int(port_text)
@@ -161,6 +191,66 @@ def _token_file(value: Any) -> tuple[str, str]:
         raise SettingsError(f"rdzv-conf token_file={value!r}: {exc}") from None
 
 
+def _free_port(host: str) -> int:
+    """A free TCP port of ``host`` (the OS's choice), for ``host:0``."""
+    try:
+        addr = numeric_host(host)
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            s.bind((addr, 0))
+            return int(s.getsockname()[1])
+    except OSError as exc:
+        raise SettingsError(f"rdzv endpoint {host}:0: no free port there ({exc})",
+                            "--rdzv-endpoint") from None
+
+
+def _same(config: dict[str, Any], ours: str, theirs: str, value: Any) -> None:
+    if ours in config and str(config[ours]).strip() != str(value).strip():
+        raise SettingsError(f"rdzv-conf {theirs}={value!r} and {ours}={config[ours]!r}: the same "
+                            "setting twice with different values; give one")
+
+
+def _torch_keys(config: Mapping[str, Any], notices: list[str]) -> dict[str, Any]:
+    """``config`` with torch's keys under our names (see the module doc); ``notices`` gets a
+    line for each key that means nothing here."""
+    out = dict(config)
+    for theirs, ours in _TORCH_ALIASES.items():
+        if theirs in out:
+            value = out.pop(theirs)
+            _same(out, ours, theirs, value)
+            out[ours] = value
+    given = {k: out.pop(k) for k in _TORCH_KEEP_ALIVE if k in out}
+    if given:
+        interval = _seconds("keep_alive_interval", given.get("keep_alive_interval",
+                                                             _TORCH_KEEP_ALIVE["keep_alive_interval"]))
+        attempts = given.get("keep_alive_max_attempt", _TORCH_KEEP_ALIVE["keep_alive_max_attempt"])
+        try:
+            count = int(str(attempts).strip())
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise SettingsError(f"rdzv-conf keep_alive_max_attempt={attempts!r}: must be a "
+                                "positive integer")
+        ttl = interval * count
+        if "lease_ttl" in out and _seconds("lease_ttl", out["lease_ttl"]) != ttl:
+            raise SettingsError(f"rdzv-conf keep_alive_interval x keep_alive_max_attempt = {ttl:g}s "
+                                f"and lease_ttl={out['lease_ttl']!r}: the same setting twice; give one")
+        out["lease_ttl"] = ttl
+    if "heartbeat_timeout" in out:
+        _seconds("heartbeat_timeout", out.pop("heartbeat_timeout"))
+        notices.append("--rdzv-conf heartbeat_timeout: ignored (a keep-alive here is one store "
+                       "write, bounded by store_timeout)")
+    if "store_type" in out:
+        kind = str(out.pop("store_type")).strip().lower()
+        if kind == "file":
+            raise SettingsError("rdzv-conf store_type=file: a rendezvous on a FileStore is not "
+                                "supported; drop the key (the native store) or use etcd")
+        if kind != "tcp":
+            raise SettingsError(f"rdzv-conf store_type={kind!r}: expected tcp or file (torch's)")
+        notices.append("--rdzv-conf store_type=tcp: the rendezvous runs on elasticstore's "
+                       "native store")
+    return out
+
+
 @dataclass(frozen=True)
 class RendezvousSettings:
     """Everything the rendezvous needs, checked once (see the module doc for the keys)."""
@@ -190,6 +280,8 @@ class RendezvousSettings:
     token: str | None = field(default=None, repr=False)  # read from token_file at parse time
     # Every member as given (etcd: ``--rdzv-endpoint`` may list several); host/port: the first's.
     endpoints: tuple[str, ...] = ()
+    # One line each for torch's keys that mean nothing here (the launcher prints them).
+    notices: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def store_token(self) -> str | None:
@@ -246,10 +338,12 @@ class RendezvousSettings:
         config: Mapping[str, Any],
         default_port: int = DEFAULT_PORT,
         several: bool = False,
+        any_port: bool = False,
     ) -> RendezvousSettings:
         """Parses ``config`` (the ``--rdzv-conf`` keys); refuses unknown keys and bad values.
         Quotes torch's parser leaves in (``--rdzv-conf "'timeout=5'"``, ``key="v"``) are dropped.
-        ``several``: ``endpoint`` may list members, comma-separated (host and port: the first's)."""
+        ``several``: ``endpoint`` may list members, comma-separated (host and port: the first's).
+        ``any_port``: port 0 is taken (one node, hosting the store on a free port of its host)."""
         config = unquote_config(config)
         unknown = sorted(set(config) - _KNOWN)
         if unknown:
@@ -257,6 +351,8 @@ class RendezvousSettings:
                 f"rdzv-conf: unknown key(s) {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(_KNOWN))})"
             )
+        notices: list[str] = []
+        config = _torch_keys(config, notices)
         kwargs: dict[str, Any] = {}
         for key in _SECONDS:
             if key in config:
@@ -267,7 +363,7 @@ class RendezvousSettings:
                 continue
             if not isinstance(value, str) or not value:
                 raise SettingsError(f"rdzv-conf {key}={value!r}: must be a non-empty string")
-            kwargs["cacert" if key == "ca_cert" else key] = value
+            kwargs[key] = value
         if "is_host" in config:
             kwargs["is_host"] = _bool("is_host", config["is_host"])
         if "failover" in config:
@@ -282,7 +378,17 @@ class RendezvousSettings:
         if "timeout" in config:  # torchrun's; checked, not used (join_timeout is)
             _seconds("timeout", config["timeout"])
         members = tuple(e.strip() for e in endpoint.split(",")) if several else (endpoint,)
-        host, port = parse_endpoint(members[0], default_port)
+        host, port = parse_endpoint(members[0], default_port, any_port=any_port)
+        if port == 0:  # torch's localhost:0: one node, which hosts the store on a free port
+            if int(max_nodes) != 1 or len(members) > 1:
+                raise SettingsError(
+                    f"rdzv endpoint {endpoint!r}: port 0 (any free port) needs --nnodes 1: other "
+                    "nodes could not learn the port; give a port", "--rdzv-endpoint")
+            if kwargs.get("is_host") is False:
+                raise SettingsError(f"rdzv endpoint {endpoint!r}: port 0 (any free port) needs "
+                                    "this node to host the store, and is_host=false says not")
+            port, kwargs["is_host"] = _free_port(host), True
+            members = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}",)
         return cls(
             run_id=run_id,
             host=host,
@@ -291,6 +397,7 @@ class RendezvousSettings:
             max_nodes=int(max_nodes),
             local_addr=local_addr or None,
             endpoints=members,
+            notices=tuple(notices),
             **kwargs,
         )
 
@@ -299,8 +406,8 @@ def settings_from_params(
     params: Any, default_port: int = DEFAULT_PORT, several: bool = False
 ) -> RendezvousSettings:
     """Settings from torch's ``RendezvousParameters`` (the torchrun plugin path): the same
-    parse as the launcher's."""
-    return RendezvousSettings.from_config(
+    parse as the launcher's; its notices are logged."""
+    settings = RendezvousSettings.from_config(
         run_id=params.run_id,
         endpoint=params.endpoint,
         min_nodes=params.min_nodes,
@@ -310,3 +417,6 @@ def settings_from_params(
         default_port=default_port,
         several=several,
     )
+    for notice in settings.notices:
+        log.warning("%s", notice)
+    return settings

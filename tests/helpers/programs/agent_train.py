@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--local-rank", "--local_rank", type=int, default=None)  # the legacy launcher
     p.add_argument("--init-method", default=None, help="e.g. tcp://localhost:PORT (else env://)")
     args = p.parse_args()
-    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
     forked = os.environ.get("ELASTICSTORE_FORKED_AT")
     info = {
         "pid": os.getpid(), "rank": rank, "attempt": attempt, "preloaded": _PRELOADED,

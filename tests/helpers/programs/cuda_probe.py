@@ -51,7 +51,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
     local = int(os.environ["LOCAL_RANK"])
     info = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "preloaded": _PRELOADED,
             "cuda_initialised_at_start": bool(torch.cuda.is_initialized()),

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 args = sys.argv[1:]
 out = args[args.index("--dir") + 1]
 fail = int(args[args.index("--fail-rank") + 1]) if "--fail-rank" in args else -1
-rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
 dist.init_process_group("gloo")
 # Several gradient buckets: several allreduce works in flight at the end of each backward.
 model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]),

@@ -37,7 +37,7 @@ def main() -> None:
 
     from elasticstore.train import heartbeat, section
 
-    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
     with open(os.path.join(args.dir, f"start-{attempt}-{rank}.json"), "w") as f:
         json.dump({"pid": os.getpid(), "rank": rank, "attempt": attempt,
                    "world": int(os.environ["WORLD_SIZE"])}, f)

@@ -32,7 +32,7 @@ for name in names:
         if not name.startswith("?"):
             raise
     took[name] = time.monotonic() - t0
-attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+attempt, rank = os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
 path = os.path.join(args.dir, f"preload-{attempt}-{rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump({"loaded_at_start": loaded, "import_seconds": took}, f)

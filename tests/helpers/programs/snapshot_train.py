@@ -61,7 +61,7 @@ def main() -> None:
     from elasticstore.train import KEEP_PER_RANK, ElasticDistributedSampler, Snapshots
     from elasticstore.train.snapshots.fileformat import list_snapshots
 
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    attempt = int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])

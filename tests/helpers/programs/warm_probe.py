@@ -45,7 +45,7 @@ def main() -> None:
     args = sys.argv[1:]
     out = args[args.index("--dir") + 1]
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     info: dict[str, object] = {
         "pid": os.getpid(), "path": sys.path, "argv": sys.argv, "cwd": os.getcwd(),
         "env": dict(os.environ), "globals": _GLOBALS, "cmdline": _cmdline(os.getpid()),
