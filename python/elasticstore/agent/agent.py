@@ -111,7 +111,7 @@ class Agent:
         self._snapshots = SnapshotArea(self.s.run_id)  # kept across rounds, removed at the end
         self._hangs = HangWatch(self._snapshots.path or tempfile.gettempdir(), self.s.nproc,
                                 self.s.heartbeat_timeout, self.s.first_heartbeat_timeout, self.s.host,
-                                self._peer_statuses)
+                                self.handler.peer_statuses)
         self._server = self._server_factory(self.s.warm)
         self._health = HealthGate(
             self.s.health, self.s.nproc,
@@ -349,10 +349,6 @@ class Agent:
         self._failures = [hang.failure]
         self.events.failure(self._failures)
         return outcome
-
-    def _peer_statuses(self) -> list[dict[str, Any]]:
-        """The other nodes' status records (their progress entries: ``hangs.py``)."""
-        return self.handler.peer_statuses()
 
     def _num_waiting(self) -> int:
         try:

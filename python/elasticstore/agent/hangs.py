@@ -135,7 +135,8 @@ class HangWatch:
         self.multi_node = True
         self.beating_seen = False  # a worker of this agent has beaten (this round or before)
         self.progressed = False  # a rank of the job has beaten in this round
-        self._peers = PeerProgress(peers)  # the other nodes' progress entries (progress.py)
+        limit = timeout or first_timeout or 0.0
+        self._peers = PeerProgress(peers, limit * LONG_SHARE)  # the others' entries (progress.py)
         self._published: dict[str, Any] | None = None
         self._holding: str | None = None  # why no verdict is given now (said once)
         self._map: mmap.mmap | None = None

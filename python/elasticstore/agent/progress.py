@@ -27,7 +27,7 @@ from ..train.heartbeat_layout import NO_DEADLINE, SlotView
 __all__ = ["LONG_SHARE", "PeerProgress", "local_progress", "open_section", "public", "same"]
 
 LONG_SHARE = 0.25  # a section open longer than this share of the heartbeat timeout is published
-READ_EVERY_S = 1.0  # the others' records are read at most this often
+READ_EVERY_S = 1.0  # the others' records are read at most this often (or a quarter timeout)
 
 
 def _open(view: SlotView, now_ns: int) -> bool:
@@ -80,16 +80,19 @@ def public(entry: dict[str, Any]) -> dict[str, Any]:
 
 class PeerProgress:
     """The other nodes' entries, read through ``read`` (the handler's ``peer_statuses``; any
-    error: nothing known) at most every ``READ_EVERY_S``."""
+    error: nothing known) at most every ``every`` seconds (at least ``READ_EVERY_S``; a quarter
+    of the heartbeat timeout keeps a thousand nodes holding a verdict from flooding the store).
+    Read only while a verdict is due here: a job that beats reads nothing."""
 
-    def __init__(self, read: Callable[[], list[dict[str, Any]]] | None) -> None:
-        self._read = read
-        self._at = -READ_EVERY_S
+    def __init__(self, read: Callable[[], list[dict[str, Any]]] | None,
+                 every: float = READ_EVERY_S) -> None:
+        self._read, self._every = read, max(READ_EVERY_S, every)
+        self._at = -self._every
         self._records: list[dict[str, Any]] = []
 
     def _entries(self, attempt: int) -> list[tuple[str, dict[str, Any]]]:
         now = time.monotonic()
-        if self._read is not None and now - self._at >= READ_EVERY_S:
+        if self._read is not None and now - self._at >= self._every:
             self._at = now
             try:
                 self._records = self._read()
