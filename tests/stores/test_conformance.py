@@ -382,6 +382,21 @@ def test_a_non_empty_queue_is_a_key_for_wait_and_check(opened: sk.Opened) -> Non
     store.wait(["foo"], SHORT)
 
 
+def test_wait_and_check_on_many_keys(opened: sk.Opened) -> None:
+    """More names than etcd takes in one transaction (128 operations), queues among them."""
+    store = opened.store
+    keys = [f"many{i}" for i in range(150)]
+    for key in keys:
+        store.set(key, "1")
+    store.wait(keys, timedelta(seconds=10))
+    assert store.check(keys)
+    assert not store.check([*keys, "many-missing"])
+    if sk.QUEUES not in opened.kind.lacks:
+        store.queue_push("many-queue", "item")
+        store.wait([*keys, "many-queue"], timedelta(seconds=10))
+        assert store.check(["many-queue", *keys])
+
+
 def test_get_of_a_name_only_a_queue_holds(opened: sk.Opened) -> None:
     """A queue holds no value: get() waits for one (HashStore, elasticstore.Store, EtcdStore).
     torch's TCPStore client sends WAIT (which the queue satisfies) and then GET, answered with

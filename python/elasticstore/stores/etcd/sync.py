@@ -30,6 +30,9 @@ from .base import DELETE, PUT, Reread, deadline as deadline_of, range_end, to_by
 from .txn import _GONE, EtcdTxnPart, _op_range
 
 
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops: operations in one transaction
+
+
 def _barrier_state(kv: Any) -> tuple[int, int, int]:
     """(generation, arrived, world_size) of a barrier record (a missing one: all 0)."""
     if kv is None:
@@ -87,16 +90,22 @@ class EtcdSyncPart(EtcdTxnPart):
     # -- presence: a key, or a queue holding items (torch's rule for wait and check) -------------
 
     def _presence(self, keys: list[Key], deadline: float | None, what: str) -> tuple[list[bool], int]:
-        """Whether each name is present, in one snapshot, and that snapshot's revision."""
-        ops = []
-        for k in keys:
-            base = self._qkey(k)
-            ops.append(_op_range(self._k(k), count_only=True))
-            ops.append(_op_range(base, range_end=range_end(base), count_only=True))
-        reply = self._txn(deadline, what, success=ops)
-        counts = [r.response_range.count for r in reply.responses]
+        """Whether each name is present, in one snapshot, and that snapshot's revision: two
+        counts per name, at most ``MAX_TXN_OPS`` per transaction; the transactions after the
+        first read at its revision."""
+        pairs = [(self._k(k), self._qkey(k)) for k in keys]
+        step, revision, counts = MAX_TXN_OPS // 2, 0, []
+        for i in range(0, max(len(pairs), 1), step):
+            ops = []
+            for key, base in pairs[i:i + step]:
+                ops.append(_op_range(key, count_only=True, revision=revision))
+                ops.append(_op_range(base, range_end=range_end(base), count_only=True,
+                                     revision=revision))
+            reply = self._txn(deadline, what, success=ops)
+            revision = revision or int(reply.header.revision)
+            counts += [r.response_range.count for r in reply.responses]
         present = [counts[2 * i] + counts[2 * i + 1] > 0 for i in range(len(keys))]
-        return present, int(reply.header.revision)
+        return present, revision
 
     def _wait_present(self, keys: list[Key], timeout: Timeout, what: str) -> None:
         """Until a snapshot shows every name present; between reads, watches the missing ones
