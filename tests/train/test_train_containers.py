@@ -83,6 +83,7 @@ def output(workdir: str, name: str) -> str:
         return f.read()
 
 
+@pytest.mark.slow  # ~20 s on 2 shared cores
 @needs_root
 @pytest.mark.timeout(180)
 def test_agent_in_another_pid_namespace_leaves_a_live_area_alone(tmp_path: Path,
@@ -116,6 +117,7 @@ def test_agent_in_another_pid_namespace_leaves_a_live_area_alone(tmp_path: Path,
     assert results(workdir)[0]["steps"] > 0
 
 
+@pytest.mark.slow  # ~15 s on 2 shared cores
 @pytest.mark.timeout(120)
 def test_heartbeat_board_without_dev_shm_is_removed_after_agent_sigkill(tmp_path: Path) -> None:
     """No snapshot root (as on a machine without /dev/shm): the heartbeat board lives in an area
@@ -142,6 +144,7 @@ def test_heartbeat_board_without_dev_shm_is_removed_after_agent_sigkill(tmp_path
         until(nothing_left, 30, f"the board removed: {os.listdir(tmp)}")
 
 
+@pytest.mark.slow  # ~25 s on 2 shared cores
 @needs_root
 @pytest.mark.timeout(180)
 def test_two_agents_as_pid_1_on_one_address_are_two_nodes(tmp_path: Path) -> None:
@@ -180,6 +183,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[str]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # ~20 s on 2 shared cores
 @pytest.mark.timeout(120)
 def test_snapshot_larger_than_shm_goes_on_with_disk_checkpoints(tmp_path: Path,
                                                                 small_tmpfs: str) -> None:
@@ -205,6 +209,7 @@ def test_snapshot_larger_than_shm_goes_on_with_disk_checkpoints(tmp_path: Path,
     assert r["names"] == [] and r["checkpoint"] == 4, r
 
 
+@pytest.mark.slow  # ~22 s on 2 shared cores
 @pytest.mark.timeout(120)
 def test_lagging_disk_checkpoints_keep_snapshot_memory_bounded(tmp_path: Path,
                                                                shm_root: str) -> None:

@@ -50,7 +50,7 @@ def records(workdir: str, mode: str) -> dict[int, Any]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~10-20 s on 2 shared cores
 @pytest.mark.timeout(120)
 def test_fsdp2_state_is_refused_and_the_full_state_dict_round_trips(tmp_path: Path,
                                                                     shm_root: str) -> None:
@@ -98,7 +98,7 @@ def run_ranks(workdir: str, mode: str, nodes: dict[int, tuple[str, int]],
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~40 s on 2 shared cores (4 launches of 1-3 ranks)
 @pytest.mark.timeout(240)
 def test_per_rank_state_is_restored_only_to_its_own_rank(tmp_path: Path) -> None:
     """Per-rank state of 3 ranks on two "nodes" (a: ranks 0 and 1, b: rank 2), each from its own
