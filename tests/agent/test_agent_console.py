@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from elasticstore.agent.console import ConsoleWriter, Sink
+
 BIN = os.path.dirname(sys.executable)
 # torchrun beside elasticstore-run, on the same command and the same checks (slow: torchrun
 # imports torch afresh in every worker, 5-10 s a run on a loaded 2-core machine).
@@ -226,3 +228,33 @@ def test_log_layout_torchrun_writes_torchruns_directories(tmp_path: object, laun
     for local in (0, 1):
         with open(os.path.join(runs[0], "attempt_0", str(local), "stdout.log")) as f:
             assert f.read() == f"creating {local}\nno newline {local}"
+
+
+class _Terminal:
+    """A text stream that says it is a terminal (what the writers see of one)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_terminal_writer_prefixes_after_each_carriage_return_and_ends_a_bar_before_others_write() -> None:
+    term = _Terminal()
+    sink = Sink(term)
+    a, b = ConsoleWriter(sink, "[h:0] "), ConsoleWriter(sink, "[h:1] ")
+    a.chunk(b"\r 10%|#")
+    a.chunk(b"#|\r 50%|")  # continues its own unfinished line: no prefix in the middle
+    b.chunk(b"log line\n")  # another worker: the bar is ended first, left as it stands
+    a.chunk(b"\r 90%|")
+    a.line(b"whole line")  # a teed stream of the same worker (pipe): a line of its own
+    a.close()
+    assert term.text == ("\r[h:0]  10%|##|\r[h:0]  50%|\n[h:1] log line\n\r[h:0]  90%|\n"
+                         "[h:0] whole line\n"), repr(term.text)

@@ -42,9 +42,14 @@ class Sink:
         self._raw = getattr(stream, "buffer", None)
         try:
             self.tty = bool(stream.isatty())
-            self.fileno: int | None = stream.fileno() if self.tty else None
         except (AttributeError, ValueError, OSError):
-            self.tty, self.fileno = False, None
+            self.tty = False
+        self.fileno: int | None = None  # the terminal's (its size), when it has one
+        if self.tty:
+            try:
+                self.fileno = stream.fileno()
+            except (AttributeError, ValueError, OSError):
+                pass
 
     def write(self, data: bytes) -> None:
         if self._raw is not None:
@@ -78,7 +83,7 @@ class ConsoleWriter:
             line += b"\n"
         with LOCK:
             if self.sink.tty:
-                end_partial(self)
+                end_partial(None)  # anyone's unfinished line, this writer's too
             self.sink.write(self.prefix + line)
 
     def chunk(self, data: bytes) -> None:
