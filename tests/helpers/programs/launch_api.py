@@ -2,6 +2,7 @@
 difference is the import): ``launch_api.py torch|elasticstore ok|fail|command PORT OUT [START_METHOD]``.
 
 ok: 2 workers run ``trainer`` (an all_reduce over gloo) and return a value; fail: rank 1 raises;
+flaky: rank 1 raises in the first round only (one restart allowed);
 command: the workers run this file as a script (``worker``). Writes what elastic_launch returned,
 or the ChildFailedError's failures, to OUT as JSON."""
 
@@ -12,7 +13,7 @@ import os
 import sys
 
 
-def trainer(scale: int, tag: str) -> dict[str, object]:
+def trainer(scale: int, tag: str, marker: str = "") -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
@@ -21,6 +22,9 @@ def trainer(scale: int, tag: str) -> dict[str, object]:
     dist.all_reduce(t)
     if tag == "fail" and dist.get_rank() == 1:
         raise ValueError("rank 1 fails on purpose")
+    if tag == "flaky" and dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ValueError("rank 1 fails once")
     if tag == "fail":  # stopped by the launcher because rank 1 failed: not a failure of its own
         import time
 
@@ -44,12 +48,13 @@ def main() -> None:
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"api-{mode}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-                          max_restarts=0, monitor_interval=0.1, start_method=start_method)
+                          max_restarts=1 if mode == "flaky" else 0, monitor_interval=0.1,
+                          start_method=start_method)
     try:
         if mode == "command":
             result = elastic_launch(config, sys.executable)("-u", __file__, "worker")
         else:
-            result = elastic_launch(config, trainer)(10, mode)
+            result = elastic_launch(config, trainer)(10, mode, out + ".marker")
         report: dict[str, object] = {"result": {str(k): v for k, v in sorted(result.items())}}
     except ChildFailedError as exc:
         report = {"failed": exc.name, "failures": {
