@@ -254,8 +254,13 @@ def rank_output(s: Any, log_root: str | None, spec: Any, stream: str) -> tuple[i
         terminal = sink is not None and sink.tty and not teed and not redirected
         if terminal:
             assert writer is not None
-            reader, theirs = open_pty(sink.fileno if sink else None, len(writer.prefix))
-        else:
+            try:
+                reader, theirs = open_pty(sink.fileno if sink else None, len(writer.prefix))
+            except OSError as exc:  # no pseudo-terminal left: whole lines through a pipe
+                say(f"[elasticstore-run] {label}: no pseudo-terminal ({exc.strerror or exc}): "
+                    "the worker writes to a pipe")
+                terminal = False
+        if not terminal:
             reader, theirs = os.pipe()
     except BaseException:
         if file_fd is not None:
