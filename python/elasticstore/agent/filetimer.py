@@ -34,6 +34,8 @@ ENABLE_VAR, FILE_VAR = "TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_TIMER_FIL
 POLL_S = 0.1  # torch's agent runs its server with max_interval=0.1
 MAX_LINE_BYTES = 64 * 1024  # a request is a short JSON line; a longer one is dropped
 MAX_TIMERS = 100_000  # scopes held at once; a request over it is dropped (and said once)
+MAX_PID = 1 << 22  # Linux's largest pid_max; a request naming another pid is dropped
+MAX_SIGNAL = 64  # SIGRTMAX; 0 (torch's "do not kill") included
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,9 @@ def _parse(line: bytes) -> tuple[int, str, float, int] | None:
     """(pid, scope, expiration time, signal) of a request line; None when it is not one."""
     try:
         data = json.loads(line)
-        return (int(data["pid"]), str(data["scope_id"]), float(data["expiration_time"]),
-                int(data["signal"]))
+        request = (int(data["pid"]), str(data["scope_id"]), float(data["expiration_time"]),
+                   int(data["signal"]))
     except (ValueError, KeyError, TypeError):
         return None
+    pid, _, _, sig = request
+    return request if 0 < pid <= MAX_PID and 0 <= sig <= MAX_SIGNAL else None
