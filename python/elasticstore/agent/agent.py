@@ -109,6 +109,8 @@ class Agent:
         if self._log_root and not self.s.log_dir:
             say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
         self._snapshots = SnapshotArea(self.s.run_id)  # kept across rounds, removed at the end
+        if self.events.metrics is not None:
+            self.events.metrics.snapshot_area(self._snapshots.path)
         self._hangs = HangWatch(self._snapshots.path or tempfile.gettempdir(), self.s.nproc,
                                 self.s.heartbeat_timeout, self.s.first_heartbeat_timeout, self.s.host,
                                 self.handler.peer_statuses)

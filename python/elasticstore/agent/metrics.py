@@ -1,34 +1,38 @@
 """Prometheus metrics of one agent (``elasticstore-run --metrics-port``), through
 ``prometheus-client`` (the ``metrics`` extra), on a registry of its own.
 
-========================================================= ========= ================================
-name                                                      type      meaning
-========================================================= ========= ================================
-elasticstore_rounds_total                                 counter   rounds this agent took part in
-elasticstore_rendezvous_duration_seconds                  histogram join to ranks, per round
-elasticstore_restarts_total{cause}                        counter   new rounds after the first, by
-                                                                    cause (worker_failure,
-                                                                    node_lost, node_joined)
-elasticstore_worker_exits_total{code}                     counter   worker exits by exit code or
-                                                                    signal name
-elasticstore_recovery_seconds                             histogram end of a round to the next
-                                                                    round's workers
-elasticstore_world_size                                   gauge     workers in the current round
-elasticstore_worker_step{rank}                            gauge     steps beaten by each local rank
-                                                                    (with heartbeats)
-elasticstore_worker_step_seconds{rank}                    gauge     its median step time (last 8
-                                                                    beats)
-elasticstore_worker_work_seconds{rank}                    gauge     its median time in sections per
-                                                                    step (the straggler measure)
-elasticstore_worker_heartbeat_age_seconds{rank}           gauge     time since its last beat
-elasticstore_store_client_calls_total{backend,op,outcome} counter   store client calls by backend
-                                                                    (native, etcd), operation (set,
-                                                                    get, add, compare_set, wait,
-                                                                    watch, ..., connect) and outcome
-                                                                    (ok, timeout, network, error)
-elasticstore_store_client_call_seconds{backend,op}        histogram their latency (buckets: 50 us to
-                                                                    60 s)
-========================================================= ========= ================================
+=========================================================== ========= ================================
+name                                                        type      meaning
+=========================================================== ========= ================================
+elasticstore_rounds_total                                   counter   rounds this agent took part in
+elasticstore_rendezvous_duration_seconds                    histogram join to ranks, per round
+elasticstore_restarts_total{cause}                          counter   new rounds after the first, by
+                                                                      cause (worker_failure,
+                                                                      node_lost, node_joined)
+elasticstore_worker_exits_total{code}                       counter   worker exits by exit code or
+                                                                      signal name
+elasticstore_recovery_seconds                               histogram end of a round to the next
+                                                                      round's workers
+elasticstore_world_size                                     gauge     workers in the current round
+elasticstore_worker_step{rank}                              gauge     steps beaten by each local rank
+                                                                      (with heartbeats)
+elasticstore_worker_step_seconds{rank}                      gauge     its median step time (last 8
+                                                                      beats)
+elasticstore_worker_work_seconds{rank}                      gauge     its median time in sections per
+                                                                      step (the straggler measure)
+elasticstore_worker_heartbeat_age_seconds{rank}             gauge     time since its last beat
+elasticstore_store_client_calls_total{backend,op,outcome}   counter   store client calls by backend
+                                                                      (native, etcd), operation (set,
+                                                                      get, add, compare_set, wait,
+                                                                      watch, ..., connect) and outcome
+                                                                      (ok, timeout, network, error)
+elasticstore_store_client_call_seconds{backend,op}          histogram their latency (buckets: 50 us to
+                                                                      60 s)
+elasticstore_snapshot_checkpoints_skipped_total{local_rank} counter   disk checkpoints a local
+                                                                      rank's workers skipped: the
+                                                                      disk was slower than
+                                                                      checkpoint_every steps
+=========================================================== ========= ================================
 
 The store client's series are read at scrape time from
 :func:`elasticstore.client_call_stats` (every store of the agent's process: the rendezvous's and
@@ -89,6 +93,8 @@ class AgentMetrics:
         for cause in ("worker_failure", "node_lost", "node_joined"):
             self._restarts.labels(cause)
         reg.register(_StoreClientCollector())
+        self._skipped = _SkippedCheckpoints()
+        reg.register(self._skipped)
         self._server: Any = prom.start_http_server(port, addr=addr, registry=reg)
 
     def round(self, rendezvous_seconds: float, world_size: int) -> None:
@@ -112,6 +118,10 @@ class AgentMetrics:
                 if r.get(key) is not None:
                     self._worker[name].labels(rank).set(r[key])
 
+    def snapshot_area(self, path: str | None) -> None:
+        """The agent's snapshot directory (``snapshots.py``), read at scrape time."""
+        self._skipped.path = path
+
     def worker_exit(self, code: str) -> None:
         self._exits.labels(code).inc()
 
@@ -120,6 +130,28 @@ class AgentMetrics:
         if isinstance(server, tuple):  # prometheus-client >= 0.17: (server, thread)
             server[0].shutdown()
             server[0].server_close()
+
+
+class _SkippedCheckpoints:
+    """The disk checkpoints skipped by this node's workers (``snapshots.skipped_checkpoints``)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        from .snapshots import skipped_checkpoints
+
+        family = CounterMetricFamily("elasticstore_snapshot_checkpoints_skipped",
+                                     "Disk checkpoints skipped because the disk lagged (the writer "
+                                     "wrote a newer step)", labels=["local_rank"])
+        for local_rank, n in sorted(skipped_checkpoints(self.path).items()):
+            family.add_metric([str(local_rank)], n)
+        yield family
+
+    def describe(self) -> list[Any]:
+        return []
 
 
 class _StoreClientCollector:

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-__all__ = ["ROOT_ENV", "SNAPSHOT_DIR_ENV", "SnapshotArea", "remove_stale"]
+__all__ = ["ROOT_ENV", "SNAPSHOT_DIR_ENV", "SnapshotArea", "remove_stale", "skipped_checkpoints"]
 
 SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"  # what workers read (train/snapshots/writer.py)
 ROOT_ENV = "ELASTICSTORE_SNAPSHOT_ROOT"  # where the agent creates its directory
@@ -101,6 +101,26 @@ def remove_stale(root: str) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+SKIPPED = ".skipped.local-"  # what workers write (train/snapshots/fileformat.py: write_skipped)
+
+
+def skipped_checkpoints(path: str | None) -> dict[int, int]:
+    """Local rank -> the disk checkpoints its workers skipped because the disk lagged (read from
+    the files they keep in the area ``path``)."""
+    found: dict[int, int] = {}
+    try:
+        names = [n for n in os.listdir(path) if n.startswith(SKIPPED)] if path else []
+    except OSError:
+        return found
+    for name in names:
+        try:
+            with open(os.path.join(path or "", name)) as f:
+                found[int(name[len(SKIPPED):])] = int(f.read())
+        except (OSError, ValueError):
+            continue  # a temporary file, or the area removed meanwhile
+    return found
 
 
 def _safe(text: str) -> str:

@@ -61,6 +61,27 @@ def tmp_name(local_rank: int) -> str:
     return f".tmp.local-{local_rank}.{uuid.uuid4().hex}"
 
 
+SKIPPED = ".skipped.local-"  # + local rank: the disk checkpoints it skipped (the agent's metric)
+
+
+def read_skipped(directory: str, local_rank: int) -> int:
+    """The disk checkpoints ``local_rank``'s workers skipped so far (0: none recorded)."""
+    try:
+        with open(os.path.join(directory, f"{SKIPPED}{local_rank}")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def write_skipped(directory: str, local_rank: int, count: int) -> None:
+    """Records (atomically) that ``local_rank``'s workers skipped ``count`` disk checkpoints."""
+    path = os.path.join(directory, f"{SKIPPED}{local_rank}")
+    tmp = f"{path}.{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(str(count))
+    os.replace(tmp, path)
+
+
 def list_snapshots(directory: str) -> list[tuple[int, int, str]]:
     """The complete snapshots of ``directory`` as ``(step, local rank, path)``, oldest first."""
     try:

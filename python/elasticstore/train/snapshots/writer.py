@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from .disk import DiskWriter
 from .errors import SnapshotSpaceError
-from .fileformat import (Buffer, encode, list_snapshots, prepare, snapshot_name, stale_tmp_files,
-                         tmp_name)
+from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
+                         stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
 from .restore import Restored, restore
 
@@ -118,6 +118,7 @@ class Snapshots:
         self._published: list[Buffer] | None = None  # oldest first (None: not listed yet)
         self._rank: tuple[int, int] | None = None  # (global rank, world size), at the first snapshot
         self._flushing_at_exit = False
+        self._skipped_before: int | None = None
         self._closed = False
 
     @property
@@ -166,7 +167,13 @@ class Snapshots:
             if not self._flushing_at_exit:
                 self._flushing_at_exit = True
                 atexit.register(self._flush_at_exit)  # a script that ends without close()
+            skipped = self._disk.skipped
             self._disk.submit(step, buf)
+            d = self.settings.directory
+            if self._disk.skipped != skipped and d is not None:  # for the agent's metric
+                if self._skipped_before is None:  # by the earlier workers of this local rank
+                    self._skipped_before = read_skipped(d, self.settings.local_rank)
+                write_skipped(d, self.settings.local_rank, self._skipped_before + self._disk.skipped)
         return True
 
     def _write(self, enc: Any, step: int) -> Buffer:
