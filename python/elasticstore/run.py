@@ -410,7 +410,7 @@ def main(argv: Sequence[str] | None = None, legacy: bool = False, prog: str = "e
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    return run(rs, prog)
+    return schedulers.finish(run(rs, prog), os.environ, prog)  # e.g. a preempted Slurm job requeued
 
 
 def main_exit() -> None:

@@ -76,17 +76,20 @@ def script(directory: str, run_flags: str, steps: int, srun_flags: str = "", pau
             f"{TRAIN} --dir {directory} --steps {steps} --sleep {pause}\n")
 
 
-@pytest.mark.slow  # ~40 s: a 2-node job of 4 gloo workers, requeued once while training
-def test_zero_config_srun_runs_one_job_across_the_allocation_and_resumes_after_a_requeue(
+@pytest.mark.slow  # ~50 s: a 2-node job of 4 gloo workers, preempted once while training
+def test_zero_config_srun_runs_one_job_across_the_allocation_and_resumes_after_a_preemption(
         cluster: slurm_cluster.Cluster, jobdir: str) -> None:
     job = cluster.sbatch(script(jobdir, "", steps=12, pause=0.2), "-N", "2", "--requeue",
                          "--open-mode=append", cwd=jobdir)
     started(jobdir, 4, 3)
     requeued = time.time()
-    cluster.call("scontrol", "requeue", job)  # as a preemption in REQUEUE mode: SIGTERM, requeue
+    # a job of the higher priority partition that needs every node: Slurm preempts ours (REQUEUE
+    # mode, GraceTime 10 s: SIGTERM now, requeued if still running at the end of the grace time)
+    cluster.sbatch("#!/bin/sh\nsleep 1\n", "-p", "urgent", "-N", "3", "--exclusive", cwd=jobdir)
     info = cluster.wait_job(job, timeout=120)
     out = output(jobdir, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
+    assert f"Slurm: job {job} is being preempted" in out, out
     recs = records(jobdir)
     for run in (0, 1):  # each run: one job across both nodes
         mine = [r for r in recs if r["slurm_restart"] == run]
@@ -109,7 +112,7 @@ def test_zero_config_srun_runs_one_job_across_the_allocation_and_resumes_after_a
         assert (f"from Slurm (step {job}.0 on 2 node(s), {node}): --rdzv-id {job} --nnodes 2 "
                 f"--rdzv-endpoint n1:{29400 + int(job)},n2:{29400 + int(job)} --local-addr {addr}") in out, out
     back = min(float(r["t"]) for r in recs if r["slurm_restart"] == 1) - requeued  # type: ignore[arg-type]
-    print(f"from scontrol requeue to training again: {back:.1f} s")
+    print(f"from the preemption to training again: {back:.1f} s")
 
 
 def started(directory: str, world: int, step: int) -> dict[str, object]:

@@ -3,18 +3,21 @@ out, before anything starts; a flag (or its ``PET_<FLAG>`` variable) always wins
 
 :func:`parse_args` parses the command line once, notes which flags it named, and fills the others
 from the scheduler found in the environment (Slurm: ``slurm.py``); the launcher then parses the
-result exactly as if those flags had been typed. Nothing below the command layer knows of it.
+result exactly as if those flags had been typed. :func:`finish` does what the scheduler needs
+when the launcher exits (Slurm: requeue a preempted job). Nothing below the command layer knows
+of either.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping, Sequence
 
 from ..rendezvous import registry
-from .slurm import SlurmError, SlurmJob, flag_values
+from .slurm import SlurmError, SlurmJob, flag_values, requeue_if_preempted
 
-__all__ = ["SchedulerError", "parse_args"]
+__all__ = ["SchedulerError", "finish", "parse_args"]
 
 SchedulerError = SlurmError
 
@@ -56,3 +59,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str],
     for dest, value in values.items():
         setattr(args, dest, value)
     return args, notices
+
+
+def finish(rc: int, environ: Mapping[str, str], prog: str = "elasticstore-run") -> int:
+    """The launcher's exit code ``rc``, after what the scheduler needs at exit (Slurm: a preempted
+    requeueable job stopped by its signal is requeued); says what it did."""
+    said = requeue_if_preempted(rc, environ)
+    if said is not None:
+        print(f"[{prog}] {said}", file=sys.stderr, flush=True)
+    return rc

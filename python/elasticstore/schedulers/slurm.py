@@ -20,19 +20,28 @@ Outside a step (the batch script itself, an ``salloc`` shell) only this node run
 and ``--rdzv-id`` from the job, with a notice naming the ``srun`` line that runs on every node.
 A step that starts several tasks on a node is refused (each would be taken for a node) unless
 ``--nnodes`` is given. Nothing here is read below the command layer: it yields flag values only.
+
+At exit (:func:`requeue_if_preempted`): a launcher stopped by a signal inside a requeueable job
+that Slurm is preempting requeues the job, which Slurm itself does only for a job still running
+when the preemption's ``GraceTime`` ends.
 """
 
 from __future__ import annotations
 
+import shutil
+import signal
 import socket
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..runflags import UsageError
 from .hostlist import HostListError, expand
 
-__all__ = ["ENDPOINT_HOSTS", "PORT_BASE", "PORT_SPAN", "SlurmError", "SlurmJob", "flag_values"]
+__all__ = ["ENDPOINT_HOSTS", "PORT_BASE", "PORT_SPAN", "SlurmError", "SlurmJob", "flag_values",
+           "requeue_if_preempted"]
 
+SCONTROL_TIMEOUT = 10.0  # seconds one scontrol call may take at exit
 PORT_BASE = 29400  # torch's default rendezvous port
 PORT_SPAN = 1000  # jobs sharing a node get different ports (job id modulo this)
 ENDPOINT_HOSTS = 16  # the store's host and the nodes that may take it over (failover)
@@ -136,3 +145,38 @@ def flag_values(job: SlurmJob, given: frozenset[str], backend: str | None,
 def _banner(job: SlurmJob, values: Mapping[str, str]) -> str:
     taken = " ".join(f"--{dest.replace('_', '-')} {value}" for dest, value in values.items())
     return f"from Slurm ({job.where}, {job.node_name or 'this node'}): {taken or 'nothing'}"
+
+
+def _scontrol(*args: str) -> tuple[int, str]:
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return 127, "scontrol not found"
+    try:
+        done = subprocess.run([exe, *args], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 1, str(exc)
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+def requeue_if_preempted(rc: int, environ: Mapping[str, str]) -> str | None:
+    """After the launcher stopped on a signal (``rc`` 128 + N) inside a requeueable Slurm job that
+    is being preempted: requeues the job, and says so. Slurm requeues a preempted job only when it
+    is still running at the end of its ``GraceTime``; a job whose launcher stopped its workers and
+    exited within it would end ``FAILED`` (or ``COMPLETED``) instead. Cancelled, timed out or
+    already requeued jobs are left alone (their state is not ``RUNNING`` with a ``PreemptTime``)."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job or rc <= 128 or rc - 128 >= signal.NSIG:
+        return None
+    code, text = _scontrol("show", "job", "-o", job)
+    if code != 0:
+        return f"Slurm: could not read job {job} to see whether it is being preempted: {text}"
+    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+    preempted = fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+    if not (preempted and fields.get("JobState") == "RUNNING" and fields.get("Requeue") == "1"):
+        return None
+    code, text = _scontrol("requeue", job)
+    if code != 0:  # another node of the job asked first
+        return f"Slurm: job {job} is being preempted; requeue: {text or code}"
+    return (f"Slurm: job {job} is being preempted (since {fields['PreemptTime']}) and is "
+            "requeueable: requeued it (Slurm requeues only a job still running when its GraceTime ends)")
