@@ -26,7 +26,7 @@ import pytest
 from agent_nodes import Agents, agents, alive, assert_gone, free_port, node_flags, until
 from paths import program
 
-from elasticstore.agent.snapshots import OWNER, PREFIX, ROOT_ENV, remove_stale
+from elasticstore.agent.snapshots import CREATING, OWNER, PREFIX, ROOT_ENV, remove_stale
 
 TRAIN = program("snapshot_train.py")
 CONF = ["--rdzv-conf", "last_call_timeout=1"]
@@ -199,23 +199,24 @@ def test_agent_sigkilled_leaves_nothing_in_shared_memory(tmp_path: Path, shm_roo
 
 def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
     """What the next agent's start does when a reaper was killed too: an area whose owner lock
-    nobody holds (its owner is gone) is removed; one whose lock a running process holds is kept,
-    and so is a directory with no owner file (not judged)."""
+    nobody holds (its owner is gone) is removed, also one left half made; one whose lock a running
+    process holds is kept, and so is a directory with no owner file (not judged)."""
     hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
             "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
             "sys.stdin.read() if sys.argv[2] == 'wait' else None")
     dead, live, legacy = (os.path.join(shm_root, f"{PREFIX}job.{n}") for n in ("a", "b", "c"))
-    for d in (dead, live, legacy):
+    half_made = os.path.join(shm_root, f"{CREATING}d")  # its agent died before renaming it
+    for d in (dead, live, legacy, half_made):
         os.mkdir(d)
         Path(d, "step-000000000001.local-0.snap").write_bytes(b"x")
     owners = [subprocess.Popen([sys.executable, "-c", hold, os.path.join(d, OWNER), how],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-              for d, how in ((dead, "exit"), (live, "wait"))]
+              for d, how in ((dead, "exit"), (live, "wait"), (half_made, "exit"))]
     try:
         for proc in owners:
             assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
-        assert owners[0].wait(10) == 0
-        assert remove_stale(shm_root) == [dead]
+        assert owners[0].wait(10) == 0 and owners[2].wait(10) == 0
+        assert sorted(remove_stale(shm_root)) == sorted([dead, half_made])
         assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(legacy)
     finally:
         for proc in owners:

@@ -79,10 +79,11 @@ def _lock(path: str, create: bool) -> int | None:
 
 def remove_stale(root: str) -> list[str]:
     """Removes this user's areas under ``root`` whose owner lock nobody holds (their agent and
-    reaper are gone, in whatever PID namespace they ran); returns them."""
+    reaper are gone, in whatever PID namespace they ran; also one an agent was making when it
+    died); returns them. A directory without an owner file is not judged."""
     removed = []
     try:
-        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith((PREFIX, CREATING))]
     except OSError:
         return []
     for name in names:
