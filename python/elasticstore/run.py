@@ -35,7 +35,7 @@ from .agent.logs import parse_std
 from . import schedulers
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint, parse_pairs
-from .runflags import NUMA_MODES, UsageError, parser
+from .runflags import NUMA_MODES, UNSUPPORTED, UsageError, parser
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
 
@@ -180,15 +180,13 @@ def _default_backend(args: argparse.Namespace, min_nodes: int, max_nodes: int) -
 
 
 def _refused(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """torchrun's flags that cannot be given their meaning here: refused when given, by flag or
-    by ``PET_<FLAG>`` (never ignored)."""
-    for dest, flag in (("duplicate_stdout_filters", "--duplicate-stdout-filters"),
-                       ("duplicate_stderr_filters", "--duplicate-stderr-filters")):
-        if getattr(args, dest):
-            raise UsageError(flag, "not supported by elasticstore-run: torchrun copies the "
-                             "matching lines of the teed ranks to <log-dir>/.../filtered_std*.log; "
-                             "filter the per-rank logs of --log-dir instead "
-                             f"(also given as {_env_of(flag)})")
+    """torchrun's flags that cannot be given their meaning here (``runflags.UNSUPPORTED``):
+    refused with the reason when given, by flag or by ``PET_<FLAG>`` (never ignored)."""
+    for flag, reason in UNSUPPORTED.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            var = "PET_" + flag[2:].replace("-", "_").upper()
+            given = f" ({var} is set)" if var in environ else ""
+            raise UsageError(flag, f"not supported by elasticstore-run{given}: {reason}")
 
 
 def _virtual_local_rank(args: argparse.Namespace, environ: Mapping[str, str], nproc: int) -> bool:
@@ -231,10 +229,6 @@ def _show_logs(level: int, prog: str) -> None:
     logger = logging.getLogger("elasticstore")
     logger.setLevel(level)
     logger.addHandler(handler)
-
-
-def _env_of(flag: str) -> str:
-    return "PET_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,

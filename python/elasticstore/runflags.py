@@ -17,12 +17,18 @@ from .agent.healthflags import add_flags as add_health_flags
 
 __all__ = ["NUMA_MODES", "UNSUPPORTED", "UsageError", "parser"]
 
-# torchrun's flags that elasticstore-run refuses, each with the reason (``run.py`` refuses them
-# when given, by flag or by ``PET_<FLAG>``).
+# torchrun's flags that elasticstore-run refuses when given (by flag or by ``PET_<FLAG>``), each
+# with the reason (``run.py``).
 UNSUPPORTED = {
-    "--logs-specs": "a torchrun.logs_specs plugin decides the file layout of torchrun's own log "
+    "--logs-specs": "a torchrun.logs_specs plugin decides the files of torchrun's own log "
                     "pipeline, which elasticstore-run does not use (its logs: --log-dir, "
-                    "--log-layout torchrun for torchrun's layout)",
+                    "--log-layout torchrun for torchrun's directories)",
+    "--duplicate-stdout-filters": "torchrun copies the matching lines of the teed ranks to "
+                                  "<log-dir>/.../filtered_stdout.log, a file elasticstore-run does "
+                                  "not write; filter the per-rank logs of --log-dir instead",
+    "--duplicate-stderr-filters": "torchrun copies the matching lines of the teed ranks to "
+                                  "<log-dir>/.../filtered_stderr.log, a file elasticstore-run does "
+                                  "not write; filter the per-rank logs of --log-dir instead",
 }
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 
@@ -66,16 +72,6 @@ class _CheckEnv(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-class _Refused(argparse.Action):
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", default=None, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        longest = max(self.option_strings, key=len).replace("_", "-")
-        raise UsageError(str(option_string), f"not supported by elasticstore-run: {UNSUPPORTED[longest]}")
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit code 2
         raise UsageError("elasticstore-run", message)
@@ -114,11 +110,10 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument(*_names("--no-preload-imports"), action=_CheckEnv)
     add_health_flags(p, _names, _Env, _CheckEnv)  # --health-check* (agent/healthflags.py)
     p.add_argument(*_names("--virtual-local-rank"), action=_CheckEnv)
-    for flag in ("--duplicate-stdout-filters", "--duplicate-stderr-filters"):
-        p.add_argument(*_names(flag), action=_Env, default="")
-    p.add_argument(*_names("--numa-binding"), default=None)  # torch's has no PET_ variable
-    for flag in UNSUPPORTED:  # torch's have no PET_ variable
-        p.add_argument(*_names(flag), action=_Refused)
+    # torch's has no PET_NUMA_BINDING; taken here too, so that no PET_ variable is ignored
+    p.add_argument(*_names("--numa-binding"), action=_Env, default=None)
+    for flag in UNSUPPORTED:  # refused when given, PET_ variable included (run.py)
+        p.add_argument(*_names(flag), action=_Env, default=None)
     p.add_argument("training_script")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     if legacy:
