@@ -38,12 +38,15 @@ def _without_warm(report: dict[str, Any]) -> tuple[dict[str, Any], set[bool]]:
 
 
 @pytest.mark.slow  # two launches with torch imported by each worker: 10-25 s on 2 loaded cores
-@pytest.mark.parametrize("mode", ["ok", "fail", "flaky", "command"])
+@pytest.mark.parametrize("mode", ["ok", "fail", "flaky", "command", "logs"])
 def test_same_program_same_results_as_torchs_elastic_launch(tmp_path: object, mode: str) -> None:
     tmp = str(tmp_path)
     theirs, _ = _without_warm(_launch(tmp, "torch", mode))
     ours, _ = _without_warm(_launch(tmp, "elasticstore", mode))
     assert ours == theirs, (ours, theirs)
+    if mode == "logs":  # torch's DefaultLogsSpecs: torchrun's layout under its directory
+        assert ours["files"] == [f"attempt_0/{r}/{s}.log" for r in (0, 1) for s in ("stderr", "stdout")], ours
+        assert ours["stdout_1"] == "trainer rank 1 says hello\n", ours
     if mode in ("ok", "flaky"):  # flaky: the values of the round after the restart
         assert sorted(ours["result"]) == ["0", "1"] and ours["result"]["0"]["sum"] == 30.0, ours
         assert {v["tag"] for v in ours["result"].values()} == {mode}, ours
