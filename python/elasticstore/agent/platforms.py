@@ -65,11 +65,14 @@ def record_signal(signum: int) -> None:
 
 class PlatformHooks:
     """Settings read once from the launcher's environment; ``start()`` serves the file timer
-    (when enabled) until ``close()``."""
+    (when enabled) until ``close()``. ``error_file=False``: the launcher's error file is left to
+    the caller (``elasticstore.launcher``, in the caller's process as torch's ``elastic_launch``:
+    there the caller's ``@record`` writes it from the ``ChildFailedError``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error_file: bool = True) -> None:
         self._timer_settings = FileTimerSettings.from_env(os.environ)
         self._timers: WorkerTimers | None = None
+        self._error_file = error_file
 
     def start(self) -> None:
         self._timers = WorkerTimers(self._timer_settings, say)
@@ -79,17 +82,17 @@ class PlatformHooks:
 
     def ended(self, code: int) -> int:
         """The launcher's exit code, passed through; one over 128 ended by a signal is recorded."""
-        if code > 128:
+        if code > 128 and self._error_file:
             record_signal(code - 128)
         return code
 
-    @staticmethod
-    def failed(failures: list[Failure]) -> None:
-        copy_root_cause(failures)
+    def failed(self, failures: list[Failure]) -> None:
+        if self._error_file:
+            copy_root_cause(failures)
 
-    @staticmethod
-    def launcher_failed(exc: BaseException) -> None:
-        record_launcher_error(exc)
+    def launcher_failed(self, exc: BaseException) -> None:
+        if self._error_file:
+            record_launcher_error(exc)
 
     def close(self) -> None:
         if self._timers is not None:

@@ -41,6 +41,7 @@ from ..agent.agent import Agent
 from ..agent.failures import Failure
 from ..agent.forkclient import ForkServer
 from ..agent.logs import say
+from ..agent.platforms import PlatformHooks
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 
@@ -251,6 +252,10 @@ class _Agent(Agent):
     # The workers that failed when the agent noticed (or the hung one), without those it then
     # stopped: torch's ChildFailedError names only these.
     failures: list[Failure] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._platform = PlatformHooks(error_file=False)  # as torch's: the caller's @record writes it
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
         super()._start(info, attempt, base, world)
