@@ -23,7 +23,9 @@ def _pids(workdir: str) -> list[int]:
     pids = []
     for path in glob.glob(os.path.join(workdir, "start-*")):
         with open(path) as f:
-            pids.append(int(f.read()))
+            text = f.read()
+        if text.isdigit():  # not while the worker is still writing it
+            pids.append(int(text))
     return pids
 
 
