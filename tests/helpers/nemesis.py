@@ -12,7 +12,9 @@ and sometimes a second one. What is checked (``Job.violations``):
     finishes with exit 0;
 (c) what is carried across a switch never goes backwards: the rounds (attempts) of the groups,
     in the order they trained, strictly increase, and so do their restart counts (not
-    decreasing); each node's console shows its rounds and the store's epochs increasing.
+    decreasing), unless every member of the last group was killed (then nobody carries the run:
+    a node restarted afterwards starts it afresh); each node's console shows its rounds and the
+    store's epochs increasing.
 
 Partitions are not part of the schedule: ``netfaults.py`` puts a node in a network namespace
 with its own subnet, so a job would need every node in a namespace of its own and the endpoint
@@ -105,6 +107,7 @@ class Job:
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     incarnations: dict[int, int] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
+    killed: dict[tuple[str, int], float] = field(default_factory=dict)  # (node, incarnation) -> when
 
     def __post_init__(self) -> None:
         os.makedirs(self.workdir, exist_ok=True)
@@ -126,7 +129,8 @@ class Job:
         self.incarnations[node] = n + 1
         self.procs[node] = self.agents.start(
             self.flags(node), ["--dir", self.workdir], name=f"node{node}-{n}", script=STEPS_TRAIN,
-            env={"ELASTICSTORE_TEST_NODE": self.addr(node), "STEPS_TERM_DELAY": ""})
+            env={"ELASTICSTORE_TEST_NODE": self.addr(node), "STEPS_TERM_DELAY": "",
+                 "STEPS_INCARNATION": str(n)})
 
     def start_all(self) -> None:
         for node in range(self.nodes):
@@ -178,6 +182,7 @@ class Job:
                 self.log.append(f"{time.time():.3f} {f.describe()}")
                 if f.kind == "kill":
                     _signal([proc.pid], signal.SIGKILL)
+                    self.killed[(self.addr(f.node), self.incarnations[f.node] - 1)] = time.time()
                 elif proc.poll() is None:
                     stopped[f.node] = tree(proc.pid)
                     _signal(stopped[f.node], signal.SIGSTOP)
@@ -215,9 +220,12 @@ class Job:
         found = groups(self.workdir)
         bad = [f"(a) two groups at once: {x.describe()} | {y.describe()}" for x, y in overlaps(found)]
         for x, y in zip(found, found[1:]):
-            if y.attempt <= x.attempt:
+            # A fresh run (round 1 again) is allowed only once every member of the last group
+            # was killed: nobody was left to carry the run's records.
+            lost = all(self.killed.get(m, y.first) < y.first for m in x.members)
+            if y.attempt <= x.attempt and not lost:
                 bad.append(f"(c) round went backwards: {x.describe()} then {y.describe()}")
-            if y.restarts < x.restarts:
+            if y.restarts < x.restarts and not lost:
                 bad.append(f"(c) restart count went backwards: {x.describe()} then {y.describe()}")
         for proc in self.agents.procs:
             out = self.agents.output(proc)

@@ -27,6 +27,7 @@ class Group:
     ranks: frozenset[int]
     restarts: int
     hosts: frozenset[str]
+    members: frozenset[tuple[str, int]]  # (node, incarnation)
 
     def describe(self) -> str:
         return (f"attempt {self.attempt} store {self.store} world {self.world} ranks "
@@ -51,7 +52,9 @@ def groups(directory: str) -> list[Group]:
                          max(float(r["t1"]) for r in recs), len(recs),  # type: ignore[arg-type]
                          frozenset(int(r["rank"]) for r in recs),  # type: ignore[call-overload]
                          max(int(r.get("restarts", 0)) for r in recs),  # type: ignore[call-overload]
-                         frozenset(str(r.get("host", "")) for r in recs)))
+                         frozenset(str(r.get("host", "")) for r in recs),
+                         frozenset((str(r.get("host", "")), int(r.get("incarnation", 0)))  # type: ignore[call-overload]
+                                   for r in recs)))
     return sorted(out, key=lambda g: g.first)
 
 

@@ -5,6 +5,7 @@ and the end of a run (finished; serving until the others left or finished)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from .state import Keys, RoundState
 from .worker_store import peer_finished
 
 __all__ = ["AgentSide"]
+
+log = logging.getLogger(__name__)
 
 
 class AgentSide:
@@ -43,6 +46,8 @@ class AgentSide:
     _alive: bool
     _loss_lock: threading.Lock
     _watch: RoundWatch | None  # the last round watch made (ended when the host is lost)
+    _superseded: HostRecord | None  # a store that outranks this node's (``_yield_to``)
+    _seeded_round: int | None  # the round this node's store was seeded with (it took over)
 
     def _guard(self) -> AbstractContextManager[None]:
         raise NotImplementedError
@@ -80,6 +85,55 @@ class AgentSide:
         if watch is not None:
             watch.end()
         serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
+
+    def _outranked(self, other: HostRecord, other_round: int) -> bool:
+        """Whether this node's store must give way to ``other`` (served, at round
+        ``other_round``): a newer epoch always (a majority moved on: this store can form no
+        round); the same epoch (two hosts of one epoch: a candidate passed over that served
+        late) only while no round formed here since the switch, to a store that formed one, or
+        else to the earlier candidate's."""
+        mine = self._carried.host
+        epoch = mine.epoch if mine is not None else 1
+        if other.node == self._node or other.epoch < epoch:
+            return False
+        if other.epoch > epoch:
+            return True
+        seeded = self._seeded_round
+        if seeded is None:  # the first host (epoch 1): no second host of its epoch exists
+            return False
+        try:
+            data = self._backend.store.try_get(self._keys.round)
+        except Exception:
+            return False
+        state = RoundState.from_json(data) if data is not None else None
+        if state is not None and state.round > seeded:
+            return False  # a round formed here: this store holds the majority
+        if other_round > seeded:
+            return True
+        rnd = self._carried.round
+        order = [*rnd.participants, *rnd.standby] if rnd is not None else []
+        return (other.node in order and self._node in order
+                and order.index(other.node) < order.index(self._node))
+
+    def _yield_to(self, record: HostRecord) -> None:
+        """Gives this node's store up for ``record``'s: its round ends, its server closes (its
+        members switch too: they find ``record``'s store before serving), and the next join
+        joins ``record``'s store as a member (``takeover.take_over``)."""
+        with self._loss_lock:
+            if self._lost is not None or self._shut:
+                return
+            self._superseded = record
+            self._lost = RendezvousConnectionError(
+                f"rendezvous {self._settings.run_id!r}: {record.endpoint} serves the run's store "
+                f"(epoch {record.epoch}), which outranks this node's")
+        log.warning("rendezvous %s: %s serves the store (epoch %d): giving this node's up and "
+                    "joining it", self._settings.run_id, record.endpoint, record.epoch)
+        watch = self._watch
+        if watch is not None:
+            watch.end()
+        server = self._backend.server
+        if server is not None:
+            server.close()
 
     @property
     def round(self) -> RoundState | None:

@@ -43,7 +43,7 @@ from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import Carried, HostRecord, endpoint_of
 from .follower import own_follower
-from .hostprobe import HostProbe, silent_after
+from .hostprobe import HostProbe, NewerHostWatch, silent_after
 from .native import create_native_backend
 from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
@@ -87,6 +87,9 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._probe: HostProbe | None = None  # the store host's liveness probe (hostprobe.py)
         self._early: threading.Thread | None = None  # serving the next epoch (takeover.serve_early)
         self._early_backend: StoreBackend | None = None
+        self._newer: NewerHostWatch | None = None  # a host's look for a store outranking its own
+        self._superseded: HostRecord | None = None
+        self._seeded_round: int | None = None
         self._follower = own_follower(settings, self._addr, self._keys, self._node,
                                       backend.server is not None) if self._fails_over else None
         with self._guard():
@@ -111,6 +114,11 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             host, port = parse_endpoint(backend.endpoint)
             self._probe = HostProbe(host.strip("[]"), port, self._settings.store_token,
                                     silent_after(self._settings.store_timeout), self._saw_loss)
+        elif self._fails_over and len(self._settings.endpoints) > 1:  # hosting: give way?
+            own = parse_endpoint(backend.endpoint)
+            others = [e for e in self._settings.member_endpoints() if e != (own[0].strip("[]"), own[1])]
+            self._newer = NewerHostWatch(others, self._keys, self._settings.store_token,
+                                         self._outranked, self._yield_to)
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -276,10 +284,10 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         spare, self._spare = self._spare, None
         if spare is not None:
             spare.close()
-        for part in (self._probe, self._follower, self._early_backend):
+        for part in (self._probe, self._newer, self._follower, self._early_backend):
             if part is not None:
-                part.stop() if isinstance(part, HostProbe) else part.close()
-        self._probe = self._follower = self._early_backend = None
+                part.stop() if isinstance(part, (HostProbe, NewerHostWatch)) else part.close()
+        self._probe, self._newer, self._follower, self._early_backend = None, None, None, None
         self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------

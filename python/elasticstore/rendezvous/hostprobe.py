@@ -17,16 +17,19 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from ..errors import StoreError, StoreNetworkError
+from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
 from ..stores.native.store import Store
+from .failover import PROBE, HostRecord
+from .state import Keys, RoundState
 
-__all__ = ["HOST_SILENT", "PROBE_PERIOD", "HostProbe", "silent_after"]
+__all__ = ["HOST_SILENT", "PROBE_PERIOD", "YIELD_PERIOD", "HostProbe", "NewerHostWatch", "silent_after"]
 
 log = logging.getLogger(__name__)
 
 HOST_SILENT = 10.0  # seconds without a reply to the probe after which the host is lost
 PROBE_PERIOD = 1.0  # seconds between two probes
 RECONNECT = timedelta(seconds=1)  # a host that refuses the reconnect is gone
+YIELD_PERIOD = 2.0  # seconds between two looks of a host at the other endpoints' stores
 
 
 def silent_after(store_timeout: float) -> float:
@@ -79,5 +82,56 @@ class HostProbe:
                 store.close()
             except Exception:
                 pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2.0)
+
+
+def standing(host: str, port: int, keys: Keys, token: str | None) -> tuple[HostRecord, int] | None:
+    """The host record and round number of the store served at ``host:port`` (None: no store
+    of the run serves there; a follower holds no host record)."""
+    wait = timedelta(seconds=PROBE)
+    try:
+        with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
+            record = HostRecord.from_json(st.try_get(keys.host))
+            data = st.try_get(keys.round) if record is not None else None
+    except (StoreNetworkError, StoreTimeoutError, StoreError):
+        return None
+    if record is None:
+        return None
+    state = RoundState.from_json(data) if data is not None else None
+    return record, state.round if state is not None else 0
+
+
+class NewerHostWatch:
+    """On the node that hosts the store: every ``YIELD_PERIOD`` s, the stores served at the other
+    endpoints; ``on_found(record)`` once when ``outranked(record, its round)`` says this node's
+    store must give way (``failover.py``: a host of an older epoch cut off and back, or a
+    second host of one epoch). Calls at most one probe per endpoint per period."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
+                 outranked: Callable[[HostRecord, int], bool],
+                 on_found: Callable[[HostRecord], None]) -> None:
+        self._endpoints, self._keys, self._token = endpoints, keys, token
+        self._outranked, self._on_found = outranked, on_found
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rdzv-newer-host", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in range(1 << 40):
+                if self._stop.wait(YIELD_PERIOD):
+                    return
+                for host, port in self._endpoints:
+                    found = standing(host, port, self._keys, self._token)
+                    if found is not None and not self._stop.is_set() and self._outranked(*found):
+                        self._on_found(found[0])
+                        return
+        except Exception as exc:  # never kills the process; a bug is logged
+            if not self._stop.is_set():
+                log.warning("looking for a newer store host failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(2.0)

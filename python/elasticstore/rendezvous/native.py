@@ -128,10 +128,39 @@ def _find_run(settings: RendezvousSettings) -> HostRecord | None:
     return None
 
 
+def _join_listed(settings: RendezvousSettings) -> NativeBackend:
+    """A node that does not host, given several endpoints: the store that moved (``_find_run``)
+    or the first entry's; when neither answers (the host lost while this node starts, or not
+    started yet), it looks again until ``join_timeout``, as the others may be switching."""
+    deadline = time.monotonic() + settings.join_timeout
+    for _ in range(1 << 20):
+        moved = _find_run(settings)
+        host, port = moved.address if moved is not None else (settings.address, settings.port)
+        wait = max(0.5, min(settings.store_timeout, deadline - time.monotonic()))
+        try:
+            backend = connect_native_backend(settings, host, port, first_wait=wait)
+        except StoreNetworkError as exc:
+            if time.monotonic() >= deadline:
+                raise RendezvousConnectionError(
+                    f"rendezvous {settings.run_id!r}: no store of the run answered among "
+                    f"{', '.join(settings.endpoints)} within join_timeout "
+                    f"{settings.join_timeout:g}s: {exc}") from exc
+            log.info("no store at %s:%d yet (%s): looking again", host, port, exc)
+            continue
+        if moved is None:
+            backend.endpoint = settings.endpoint
+        else:
+            log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
+        return backend
+    raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
+
+
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     host = settings.address
     token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
+    if settings.failover and len(settings.endpoints) > 1 and not _should_host(settings):
+        return _join_listed(settings)
     if settings.failover and len(settings.endpoints) > 1:
         moved = _find_run(settings)
         if moved is not None:

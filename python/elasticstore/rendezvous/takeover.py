@@ -24,7 +24,7 @@ from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidate
                        find_host, read_host, seed)
 from .failover import Carried
 from .follower import Follower
-from .hostprobe import HostProbe
+from .hostprobe import HostProbe, NewerHostWatch
 from .native import NativeBackend, connect_native_backend
 from .settings import RendezvousSettings
 from .state import Keys
@@ -45,6 +45,9 @@ class SwitchingNode(Protocol):
     _spare: StoreBackend | None
     _heartbeat: Heartbeat | None
     _probe: HostProbe | None
+    _newer: NewerHostWatch | None
+    _superseded: HostRecord | None
+    _seeded_round: int | None
     _follower: Follower | None
     _early: threading.Thread | None
     _early_backend: StoreBackend | None
@@ -64,6 +67,9 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
     h = handler
     carried, settings = h._carried, h._settings
     old = carried.host
+    newer, h._superseded = h._superseded, None
+    if newer is not None:
+        return _join_newer(h, newer)
     if old is None or carried.round is None:
         return _follow(h, cause)
     log.warning("rendezvous %s: lost the store's host %s (%s): the next host is chosen from "
@@ -103,6 +109,20 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
                     old.endpoint, record.endpoint, record.epoch)
 
 
+def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
+    """This node hosted a store that ``record``'s outranks (``AgentSide._outranked``): it joins
+    that store as a member."""
+    previous = h._carried.host
+    _detach(h)
+    h._attach(connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT))
+    if previous is not None:
+        h._carried.lost.add(previous.node)
+    h._carried.host = record
+    h._moves.append(record)
+    log.warning("rendezvous %s: the store moved from %s to %s (epoch %d)", h._settings.run_id,
+                previous.endpoint if previous else "here", record.endpoint, record.epoch)
+
+
 def _follow(h: SwitchingNode, cause: BaseException) -> None:
     """A node that saw no round (it waited for its first, or its last one) has no candidates
     of its own: it looks the store up among its ``--rdzv-endpoint`` entries for up to twice
@@ -112,7 +132,9 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
     deadline = time.monotonic() + 2 * FAILOVER_WAIT
     for _ in range(1 << 16):
         found = find_host(settings.member_endpoints(), h._keys, settings.store_token)
-        if found is not None and found.epoch > (known.epoch if known else 1):
+        back = known is not None and found is not None and (found.node, found.epoch) == (
+            known.node, known.epoch)  # the same host answers again (it was silent a while)
+        if found is not None and (back or found.epoch > (known.epoch if known else 1)):
             backend = connect_native_backend(settings, *found.address, first_wait=FAILOVER_WAIT)
             h._attach(backend)
             h._carried.host = found
@@ -140,6 +162,9 @@ def _detach(h: SwitchingNode) -> None:
     probe, h._probe = h._probe, None
     if probe is not None:
         probe.stop()
+    newer, h._newer = h._newer, None
+    if newer is not None:
+        newer.stop()
     h._alive = False
     spare, h._spare = h._spare, None
     for conn in (spare, h._backend):
@@ -202,6 +227,7 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
         record = HostRecord(epoch, h._node, endpoint_of(h._addr, port), h._carried.host.endpoint
                             if h._carried.host else None, time.time())
         seed(backend.store, h._keys, h._carried, record)
+        h._seeded_round = h._carried.round.round if h._carried.round is not None else None
         log.warning("rendezvous %s: this node hosts the store now, at %s (epoch %d)",
                     s.run_id, record.endpoint, epoch)
         return backend

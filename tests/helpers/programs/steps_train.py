@@ -5,7 +5,8 @@ and each completed step is recorded with the time interval it took.
 Records in ``--dir``: ``steps-<pid>.jsonl``, one line per completed step: the run id, the
 attempt (the round), the group's store (``MASTER_ADDR:MASTER_PORT``: one per group), the world
 size, the rank and the step's interval (``t0``: before the all_reduce, ``t1``: after it, wall
-clock). Trains until the file ``release`` exists in ``--dir`` (a MAX all_reduce: every rank of a
+clock), the node (``ELASTICSTORE_TEST_NODE``) and its incarnation (``STEPS_INCARNATION``: how
+many times the test started that node before). Trains until the file ``release`` exists in ``--dir`` (a MAX all_reduce: every rank of a
 group stops at one step). With ``STEPS_TERM_DELAY`` set in its environment (the agent's), a
 worker that gets SIGTERM lingers that many seconds before it exits (a save-on-SIGTERM handler),
 and one whose collective fails (a peer lost) waits for that SIGTERM instead of exiting at once
@@ -38,7 +39,8 @@ def main() -> None:
                             or os.environ["TORCHELASTIC_RESTART_COUNT"]),
              "restarts": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
              "store": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-             "world": world, "rank": rank, "host": os.environ.get("ELASTICSTORE_TEST_NODE", "")}
+             "world": world, "rank": rank, "host": os.environ.get("ELASTICSTORE_TEST_NODE", ""),
+             "incarnation": int(os.environ.get("STEPS_INCARNATION") or 0)}
     release = os.path.join(directory, "release")
     with open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a", buffering=1) as out:
         for _ in range(1 << 30):
