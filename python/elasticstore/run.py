@@ -189,6 +189,11 @@ def _refused(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
             raise UsageError(flag, f"not supported by elasticstore-run{given}: {reason}")
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    """torchrun's ``comma_separated_list``: ``a,b`` -> (a, b); ``,,`` is a comma in an item."""
+    return tuple(item.replace("\0", ",") for item in str(text).replace(",,", "\0").split(","))
+
+
 def _virtual_local_rank(args: argparse.Namespace, environ: Mapping[str, str], nproc: int) -> bool:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
@@ -342,6 +347,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         health=health_settings(args, UsageError, rdzv.join_timeout),
         virtual_local_rank=_virtual_local_rank(args, environ, nproc),
         cpu_affinity=_numa(args.numa_binding, nproc),
+        duplicate_filters={stream: _comma_list(value) for stream, value in (
+            ("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
+            if value is not None},
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
                        tuple(notices), rdzv, _log_level(environ))

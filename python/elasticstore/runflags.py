@@ -23,12 +23,6 @@ UNSUPPORTED = {
     "--logs-specs": "a torchrun.logs_specs plugin decides the files of torchrun's own log "
                     "pipeline, which elasticstore-run does not use (its logs: --log-dir, "
                     "--log-layout torchrun for torchrun's directories)",
-    "--duplicate-stdout-filters": "torchrun copies the matching lines of the teed ranks to "
-                                  "<log-dir>/.../filtered_stdout.log, a file elasticstore-run does "
-                                  "not write; filter the per-rank logs of --log-dir instead",
-    "--duplicate-stderr-filters": "torchrun copies the matching lines of the teed ranks to "
-                                  "<log-dir>/.../filtered_stderr.log, a file elasticstore-run does "
-                                  "not write; filter the per-rank logs of --log-dir instead",
 }
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 
@@ -112,6 +106,8 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument(*_names("--virtual-local-rank"), action=_CheckEnv)
     # torch's has no PET_NUMA_BINDING; taken here too, so that no PET_ variable is ignored
     p.add_argument(*_names("--numa-binding"), action=_Env, default=None)
+    for flag in ("--duplicate-stdout-filters", "--duplicate-stderr-filters"):
+        p.add_argument(*_names(flag), action=_Env, default=None)
     for flag in UNSUPPORTED:  # refused when given, PET_ variable included (run.py)
         p.add_argument(*_names(flag), action=_Env, default=None)
     p.add_argument("training_script")

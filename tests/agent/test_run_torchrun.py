@@ -209,3 +209,29 @@ def test_worker_command_and_environment_as_torchs_agent() -> None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             if old is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+@pytest.mark.slow  # ~8-15 s per launcher
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_duplicate_filters_side_by_side(tmp_path: object, launcher: str) -> None:
+    """--duplicate-std{out,err}-filters: the teed ranks' matching lines, prefixed as on the
+    console, in the attempt's filtered_std{out,err}.log (``,,`` is a comma in a filter)."""
+    logs = os.path.join(str(tmp_path), "logs")
+    script = os.path.join(str(tmp_path), "emit.py")
+    with open(script, "w") as f:
+        f.write("import os, sys\nr = os.environ['LOCAL_RANK']\n"
+                "print(f'apple {r}'); print('banana'); print('kiwi,lime')\n"
+                "print(f'cherry {r}', file=sys.stderr); print('plum', file=sys.stderr)\n")
+    flags = ["--nproc-per-node", "2", "-t", "3", "--log-dir", logs, "--duplicate-stdout-filters",
+             "apple,i,,l", "--duplicate-stderr-filters", "cherry"]
+    with agents(str(tmp_path)) as a:
+        agent = a.start(flags, [], script=script, module=LAUNCHERS[launcher])
+        assert a.wait(agent, 240) == 0, a.output(agent)
+    found = {}
+    for stream in ("stdout", "stderr"):
+        (path,) = glob.glob(os.path.join(logs, "*", "attempt_0", f"filtered_{stream}.log"))
+        with open(path) as f:
+            found[stream] = sorted(f.read().splitlines())
+    assert found == {"stdout": ["[default0]:apple 0", "[default0]:kiwi,lime", "[default1]:apple 1",
+                                "[default1]:kiwi,lime"],
+                     "stderr": ["[default0]:cherry 0", "[default1]:cherry 1"]}, found

@@ -102,6 +102,9 @@ class AgentSettings:
     # --numa-binding: the CPUs of each local rank (numa.py), applied in the worker at its start
     cpu_affinity: tuple[frozenset[int], ...] | None = None
     python: str | None = None  # PYTHON_EXEC: the interpreter of plain (not warm) workers
+    # --duplicate-std{out,err}-filters: stream -> needles; a teed rank's line containing one is
+    # also written to the attempt's filtered_<stream>.log (logs.py)
+    duplicate_filters: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -115,9 +115,11 @@ class LogRelay:
     it in the one line that reports a failed write."""
 
     def __init__(self, fd: int, console: ConsoleWriter | None, file_fd: int | None,
-                 label: str = "log file", terminal: bool = False) -> None:
+                 label: str = "log file", terminal: bool = False,
+                 filtered: Filtered | None = None) -> None:
         self._fd = fd
         self._file = file_fd
+        self._filtered = filtered
         self._label = label
         self._console = console
         self._terminal = terminal
@@ -132,6 +134,8 @@ class LogRelay:
                 self._lines()
         finally:
             self._close_file()
+            if self._filtered is not None:
+                self._filtered.close()
             if self._console is not None:
                 self._console.close()
 
@@ -144,6 +148,8 @@ class LogRelay:
                         return
                     self._to_file(line)
                     self._to_console(line)
+                    if self._filtered is not None:
+                        self._filtered.line(line)
         except (OSError, ValueError):  # the pipe itself failed: nothing left to drain
             pass
 
@@ -193,6 +199,30 @@ class LogRelay:
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+
+class Filtered:
+    """torchrun's ``--duplicate-std{out,err}-filters``: a teed worker stream's lines that contain
+    any of ``needles`` also go, prefixed as on the console, to the attempt's
+    ``filtered_<stream>.log`` (one file for all the ranks of this node; each relay appends whole
+    lines through a descriptor of its own)."""
+
+    def __init__(self, fd: int, needles: Sequence[str], prefix: str) -> None:
+        self._fd: int | None = fd
+        self._needles = [n.encode() for n in needles]
+        self._prefix = prefix.encode()
+
+    def line(self, data: bytes) -> None:
+        if self._fd is not None and any(n in data for n in self._needles):
+            try:
+                os.write(self._fd, self._prefix + data)
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def console_for(stream: str) -> Sink:
@@ -248,7 +278,12 @@ def rank_output(s: Any, log_root: str | None, spec: Any, stream: str) -> tuple[i
     shown = s.local_ranks_filter is None or local in s.local_ranks_filter
     label = os.path.join(rank_dir or ".", f"{stream}.log")
     file_fd = open_rank_log(log_root, rank_dir, f"{stream}.log") if rank_dir and log_root else None
+    filtered = None
     try:
+        needles = s.duplicate_filters.get(stream, ())
+        if needles and teed and rank_dir and log_root:  # torchrun's: the teed ranks' lines
+            fd = open_rank_log(log_root, os.path.dirname(rank_dir), f"filtered_{stream}.log")
+            filtered = Filtered(fd, needles, console_prefix(s, spec, teed))
         sink = console_for(stream) if shown and (teed or not redirected) else None
         writer = None if sink is None else ConsoleWriter(sink, console_prefix(s, spec, teed))
         terminal = sink is not None and sink.tty and not teed and not redirected
@@ -265,5 +300,7 @@ def rank_output(s: Any, log_root: str | None, spec: Any, stream: str) -> tuple[i
     except BaseException:
         if file_fd is not None:
             os.close(file_fd)
+        if filtered is not None:
+            filtered.close()
         raise
-    return theirs, LogRelay(reader, writer, file_fd, label, terminal)
+    return theirs, LogRelay(reader, writer, file_fd, label, terminal, filtered)
