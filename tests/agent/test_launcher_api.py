@@ -26,6 +26,8 @@ def _launch(tmp: str, which: str, mode: str, start_method: str = "spawn") -> dic
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-4000:]
     with open(out) as f:
         report: dict[str, Any] = json.load(f)
+    if mode == "logs":  # teed: torch's prefix on both (elsewhere ours prefixes, torch's not)
+        report["console"] = sorted(ln for ln in done.stdout.decode().splitlines() if "says hello" in ln)
     return report
 
 
@@ -47,6 +49,7 @@ def test_same_program_same_results_as_torchs_elastic_launch(tmp_path: object, mo
     if mode == "logs":  # torch's DefaultLogsSpecs: torchrun's layout under its directory
         assert ours["files"] == [f"attempt_0/{r}/{s}.log" for r in (0, 1) for s in ("stderr", "stdout")], ours
         assert ours["stdout_1"] == "trainer rank 1 says hello\n", ours
+        assert ours["console"] == [f"[default_role{r}]:trainer rank {r} says hello" for r in (0, 1)], ours
     if mode in ("ok", "flaky"):  # flaky: the values of the round after the restart
         assert sorted(ours["result"]) == ["0", "1"] and ours["result"]["0"]["sum"] == 30.0, ours
         assert {v["tag"] for v in ours["result"].values()} == {mode}, ours
