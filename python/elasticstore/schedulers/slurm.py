@@ -21,15 +21,14 @@ and ``--rdzv-id`` from the job, with a notice naming the ``srun`` line that runs
 A step that starts several tasks on a node is refused (each would be taken for a node) unless
 ``--nnodes`` is given. Nothing here is read below the command layer: it yields flag values only.
 
-At exit (:func:`requeue_if_preempted`): a launcher stopped by a signal inside a requeueable job
-that Slurm is preempting requeues the job, which Slurm itself does only for a job still running
-when the preemption's ``GraceTime`` ends.
+At exit (:func:`requeue_if_preempted`): a launcher that stops with a failure (its signal, or a
+worker the signal reached first) inside a requeueable job that Slurm is preempting requeues it,
+which Slurm itself does only for a job still running when the preemption's ``GraceTime`` ends.
 """
 
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
 from collections.abc import Mapping
@@ -160,13 +159,14 @@ def _scontrol(*args: str) -> tuple[int, str]:
 
 
 def requeue_if_preempted(rc: int, environ: Mapping[str, str]) -> str | None:
-    """After the launcher stopped on a signal (``rc`` 128 + N) inside a requeueable Slurm job that
-    is being preempted: requeues the job, and says so. Slurm requeues a preempted job only when it
+    """After the launcher stopped with a failure (``rc`` not 0: its signal, 128 + N, or a worker
+    that Slurm's SIGTERM reached first) inside a requeueable Slurm job that is being preempted:
+    requeues the job, and says so. Slurm requeues a preempted job only when it
     is still running at the end of its ``GraceTime``; a job whose launcher stopped its workers and
     exited within it would end ``FAILED`` (or ``COMPLETED``) instead. Cancelled, timed out or
     already requeued jobs are left alone (their state is not ``RUNNING`` with a ``PreemptTime``)."""
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    if not job or rc <= 128 or rc - 128 >= signal.NSIG:
+    if not job or rc == 0:
         return None
     code, text = _scontrol("show", "job", "-o", job)
     if code != 0:
