@@ -15,7 +15,8 @@ one slot per local rank. A worker is judged only once it is known to beat:
 No verdict at all while a rank of the job is inside a section that has not expired: the others
 may be waiting for it in a collective (rank 0 evaluates, the others wait in a barrier). This
 node's ranks are read from the board; another node's from its progress entry in the store
-(``progress.py``), read only when a verdict is due.
+(``progress.py``), read only when a verdict is due. Once the section ends, the ranks that waited
+get a full timeout to beat again.
 
 On a hang every local worker that registered its stack dump is asked for its Python stacks
 (``faulthandler`` on ``STACK_SIGNAL``, written to a file per worker). Every rank blocked on a hung
@@ -139,6 +140,7 @@ class HangWatch:
         self._peers = PeerProgress(peers, limit * LONG_SHARE)  # the others' entries (progress.py)
         self._published: dict[str, Any] | None = None
         self._holding: str | None = None  # why no verdict is given now (said once)
+        self._held_ns = 0  # when a verdict was last held: silence counts from then at the earliest
         self._map: mmap.mmap | None = None
         self._files: list[str] = []
         self._round = 0
@@ -164,7 +166,7 @@ class HangWatch:
         self._files = [path]
         self._started = time.monotonic()
         self._deferred_until = None
-        self.progressed, self._published, self._holding = False, None, None
+        self.progressed, self._published, self._holding, self._held_ns = False, None, None, 0
 
     def env(self, local_rank: int) -> dict[str, str]:
         if self._map is None:
@@ -219,13 +221,13 @@ class HangWatch:
             return Silent(w, view, ran, f"section {view.section!r} ran {ran:.1f}s, over its "
                           f"timeout of {allowed:g}s (after step {view.beats})")
         if view.beats == 0:  # judged only while no rank of the job has beaten in this round
-            quiet = now_ns / 1e9 - self._started
+            quiet = now_ns / 1e9 - max(self._started, self._held_ns / 1e9)
             if self.first_timeout is None or not self.beating_seen or self.progressed or \
                     quiet <= self.first_timeout * share:
                 return None
             return Silent(w, view, quiet, f"no first heartbeat {quiet:.1f}s after it started "
                           f"(--first-heartbeat-timeout {self.first_timeout:g}s)")
-        quiet = (now_ns - view.last_beat_ns) / 1e9
+        quiet = (now_ns - max(view.last_beat_ns, self._held_ns)) / 1e9
         if self.timeout is None or quiet <= self.timeout * share:
             return None
         return Silent(w, view, quiet, f"no heartbeat for {quiet:.1f}s (last at step {view.beats}; "
@@ -250,19 +252,23 @@ class HangWatch:
                 all(s.view.beats == 0 for s in over) and self._peers.beaten(self._round):
             self.progressed = True  # a rank elsewhere beats: the job makes progress
             over = [s for s in over if s.view.beats > 0]
-        if not over:
-            self._deferred_until, self._holding = None, None
+        if not over and self._holding is None:
+            self._deferred_until = None
             return None
+        # While a verdict is held, the hold is looked at on every poll: once it ends, the ranks
+        # that waited get a full timeout to beat again (silence counts from _held_ns).
         held = open_section(views, now_ns) or (
             self._peers.open_section(self._round) if self.multi_node else None)
         if held is not None:
-            self._deferred_until = None
-            if self._holding is None:
+            self._deferred_until, self._held_ns = None, now_ns
+            if self._holding is None and over:
                 say(f"[elasticstore-run] rank {over[0].worker.spec.rank} silent ({over[0].why}): "
                     f"no verdict while {held}")
             self._holding = held
             return None
         self._holding = None
+        if not over:
+            return None
         if self._deferred_until is not None and time.monotonic() < self._deferred_until:
             return None
         silent = [s for w in running if (s := self._silence(w, now_ns, SUSPECT_SHARE)) is not None]
