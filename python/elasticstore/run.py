@@ -4,12 +4,14 @@ torchrun's flags with the same defaults and meaning, dashed and underscored spel
 ``PET_<FLAG>`` environment fallback, abbreviated long flags as torchrun's parser takes them.
 Without ``--rdzv-backend``, torchrun's choice for the command line: ``static`` (node rank 0 hosts
 the store at ``--master-addr:--master-port``) for a fixed ``--nnodes``, standalone for one node
-without ``--master-port``, ours (``elasticstore``) with ``--rdzv-endpoint`` or a range of nodes
-(``etcd`` is ours on etcd v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
+without ``--master-port``, ``static`` at ``--rdzv-endpoint`` with ``--node-rank``, ours
+(``elasticstore``) with ``--rdzv-endpoint`` alone or a range of nodes (``etcd`` is ours on etcd
+v3; ``c10d`` and ``etcd-v2`` map to ours with a notice);
 ``--start-method`` defaults to ``forkserver`` (warm start: workers forked from a
 process with torch imported, and with the third-party packages the previous round's workers
-imported unless ``--no-preload-imports``; ``spawn`` starts plain processes). Flags not supported
-yet are refused by name. A bad value exits with code 2 and one line naming the flag and the reason;
+imported unless ``--no-preload-imports``; ``spawn`` starts plain processes). torchrun's flags that
+cannot be given their meaning here (``runflags.UNSUPPORTED``) are refused with the reason, by flag
+or ``PET_*``. A bad value exits with code 2 and one line naming the flag and the reason;
 ``--rdzv-conf`` is parsed into the rendezvous settings here too (a bad key or value names the
 key), before the banner and before anything starts. The flags themselves (spellings, defaults,
 ``PET_*``): ``runflags.py``; backend names: ``rendezvous/registry.py``.
