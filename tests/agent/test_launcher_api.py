@@ -26,7 +26,7 @@ def _launch(tmp: str, which: str, mode: str, start_method: str = "spawn") -> dic
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-4000:]
     with open(out) as f:
         report: dict[str, Any] = json.load(f)
-    if mode == "logs":  # teed: torch's prefix on both (elsewhere ours prefixes, torch's not)
+    if mode in ("logs", "filters"):  # teed: torch's prefix on both (elsewhere ours prefixes, torch's not)
         report["console"] = sorted(ln for ln in done.stdout.decode().splitlines() if "says hello" in ln)
     return report
 
@@ -40,16 +40,20 @@ def _without_warm(report: dict[str, Any]) -> tuple[dict[str, Any], set[bool]]:
 
 
 @pytest.mark.slow  # two launches with torch imported by each worker: 10-25 s on 2 loaded cores
-@pytest.mark.parametrize("mode", ["ok", "fail", "flaky", "command", "logs"])
+@pytest.mark.parametrize("mode", ["ok", "fail", "flaky", "command", "logs", "filters"])
 def test_same_program_same_results_as_torchs_elastic_launch(tmp_path: object, mode: str) -> None:
     tmp = str(tmp_path)
     theirs, _ = _without_warm(_launch(tmp, "torch", mode))
     ours, _ = _without_warm(_launch(tmp, "elasticstore", mode))
     assert ours == theirs, (ours, theirs)
-    if mode == "logs":  # torch's DefaultLogsSpecs: torchrun's layout under its directory
-        assert ours["files"] == [f"attempt_0/{r}/{s}.log" for r in (0, 1) for s in ("stderr", "stdout")], ours
+    if mode in ("logs", "filters"):  # torch's DefaultLogsSpecs: torchrun's layout under its directory
+        filtered = ["attempt_0/filtered_stdout.log"] if mode == "filters" else []
+        assert ours["files"] == [f"attempt_0/{r}/{s}.log" for r in (0, 1)
+                                 for s in ("stderr", "stdout")] + filtered, ours
         assert ours["stdout_1"] == "trainer rank 1 says hello\n", ours
         assert ours["console"] == [f"[default_role{r}]:trainer rank {r} says hello" for r in (0, 1)], ours
+    if mode == "filters":  # duplicate_stdout_filters: the matching teed lines, prefixed
+        assert ours["filtered"] == "[default_role1]:trainer rank 1 says hello\n", ours
     if mode in ("ok", "flaky"):  # flaky: the values of the round after the restart
         assert sorted(ours["result"]) == ["0", "1"] and ours["result"]["0"]["sum"] == 30.0, ours
         assert {v["tag"] for v in ours["result"].values()} == {mode}, ours

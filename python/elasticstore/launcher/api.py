@@ -16,7 +16,8 @@ directory; each worker runs ``elasticstore.launcher.worker``, forked warm by the
 What differs from torch's: ``start_method`` defaults to ``forkserver`` (warm start; torch's
 ``spawn`` starts fresh interpreters); ``logs_specs`` takes torch's ``DefaultLogsSpecs`` (its log
 directory gets torchrun's layout, ``--log-layout torchrun``), any other ``LogsSpecs`` is refused;
-``metrics_cfg``, ``numa_options`` and the duplicate filters are refused when set.
+``numa_options`` is ``--numa-binding`` (set only when given: torch's sets a default with one CUDA
+device per worker); ``metrics_cfg`` is refused when set.
 """
 
 from __future__ import annotations
@@ -85,11 +86,9 @@ class LaunchConfig:
             self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
-        for name in ("metrics_cfg", "numa_options", "duplicate_stdout_filters",
-                     "duplicate_stderr_filters"):
-            if getattr(self, name):
-                raise ValueError(f"LaunchConfig.{name}: not supported by elasticstore's launcher "
-                                 "(torch's elastic_launch takes it)")
+        if self.metrics_cfg:
+            raise ValueError("LaunchConfig.metrics_cfg: not supported by elasticstore's launcher "
+                             "(torch's metrics handlers; elasticstore-run serves --metrics-port)")
 
 
 class elastic_launch:  # noqa: N801 (torch's name)
@@ -165,6 +164,13 @@ def _argv(c: LaunchConfig, entry: list[str]) -> list[str]:
         argv += ["--local-addr", c.local_addr]
     if c.virtual_local_rank:
         argv.append("--virtual-local-rank")
+    for stream, filters in (("stdout", c.duplicate_stdout_filters),
+                            ("stderr", c.duplicate_stderr_filters)):
+        if filters:  # torchrun's comma-separated list, ",," a comma within a filter
+            argv += [f"--duplicate-{stream}-filters", ",".join(f.replace(",", ",,") for f in filters)]
+    if c.numa_options is not None:  # torch's NumaOptions: its affinity mode is --numa-binding's
+        argv += ["--numa-binding", str(getattr(c.numa_options.affinity_mode, "value",
+                                               c.numa_options.affinity_mode))]
     return argv + _log_flags(c.logs_specs) + entry
 
 

@@ -4,7 +4,8 @@ difference is the import): ``launch_api.py torch|elasticstore ok|fail|command PO
 ok: 2 workers run ``trainer`` (an all_reduce over gloo) and return a value; fail: rank 1 raises;
 flaky: rank 1 raises in the first round only (one restart allowed);
 command: the workers run this file as a script (``worker``); logs: as ok, with torch's
-DefaultLogsSpecs (the log files' paths are reported). Writes what elastic_launch returned,
+DefaultLogsSpecs (the log files' paths are reported); filters: as logs, with a
+duplicate_stdout_filters. Writes what elastic_launch returned,
 or the ChildFailedError's failures, to OUT as JSON."""
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logs_specs = None
-    if mode == "logs":  # torch's DefaultLogsSpecs: every stream to files, stdout teed
+    if mode in ("logs", "filters"):  # torch's DefaultLogsSpecs: every stream to files, stdout teed
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
         logs_specs = DefaultLogsSpecs(log_dir=out + ".logs", redirects=Std.ALL, tee=Std.OUT)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=f"api-{mode}",
                           logs_specs=logs_specs,
+                          duplicate_stdout_filters=["rank 1 says"] if mode == "filters" else None,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
                           max_restarts=1 if mode == "flaky" else 0, monitor_interval=0.1,
                           start_method=start_method)
@@ -65,12 +67,15 @@ def main() -> None:
             result = elastic_launch(config, trainer)(10, mode, out + ".marker")
         report: dict[str, object] = {"result": {str(k): v for k, v in sorted(result.items())}}
         if logs_specs is not None:  # the files under <log dir>/<run id>_<random>/
-            (run_dir,) = [d for d in os.listdir(out + ".logs") if d.startswith("api-logs_")]
+            (run_dir,) = [d for d in os.listdir(out + ".logs") if d.startswith(f"api-{mode}_")]
             root = os.path.join(out + ".logs", run_dir)
             report["files"] = sorted(os.path.relpath(os.path.join(d, f), root)
                                      for d, _, files in os.walk(root) for f in files)
             with open(os.path.join(root, "attempt_0", "1", "stdout.log")) as f:
                 report["stdout_1"] = f.read()
+            if mode == "filters":
+                with open(os.path.join(root, "attempt_0", "filtered_stdout.log")) as f:
+                    report["filtered"] = f.read()
     except ChildFailedError as exc:
         report = {"failed": exc.name, "failures": {
             str(rank): {"exitcode": f.exitcode, "message": f.message.get("message", "")
