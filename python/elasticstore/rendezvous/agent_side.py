@@ -18,7 +18,9 @@ from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
 from .failover import Carried, HostRecord
-from .settings import RendezvousSettings
+from .follower import Follower, own_follower
+from .hostprobe import HostProbe, NewerHostWatch, silent_after
+from .settings import RendezvousSettings, parse_endpoint
 from .takeover import serve_early
 from .state import Keys, RoundState
 from .worker_store import peer_finished
@@ -53,6 +55,50 @@ class AgentSide:
         raise NotImplementedError
 
     # -- failover of the store's host (failover.py, takeover.py) -------------------------------
+
+    def _init_failover(self, backend: StoreBackend) -> None:
+        """The failover's state, and the follower at this node's endpoint (``follower.py``)."""
+        self._carried = Carried()  # what this node would seed a new store host with
+        self._lost = None  # the store's host was lost: switch at the next join
+        self._moves = []  # the switches of store host this node made
+        self._loss_lock = threading.Lock()
+        self._watch = None
+        self._probe: HostProbe | None = None  # the store host's liveness probe (hostprobe.py)
+        self._early: threading.Thread | None = None  # serving the next epoch (serve_early)
+        self._early_backend: StoreBackend | None = None
+        self._newer: NewerHostWatch | None = None  # a host's look for a store outranking its own
+        self._superseded = None
+        self._seeded_round = None
+        self._follower: Follower | None = own_follower(
+            self._settings, self._addr, self._keys, self._node,
+            backend.server is not None) if self._fails_over else None
+
+    def _watch_host(self, backend: StoreBackend) -> None:
+        """On ``backend`` (attached): the probe of its host (``hostprobe.HostProbe``), or, where
+        this node hosts it, the look for a store that outranks it (``NewerHostWatch``)."""
+        if not self._fails_over:
+            return
+        s = self._settings
+        if backend.server is None:  # a silent host noticed in seconds
+            host, port = parse_endpoint(backend.endpoint)
+            self._probe = HostProbe(host.strip("[]"), port, s.store_token,
+                                    silent_after(s.store_timeout), self._saw_loss)
+        elif len(s.endpoints) > 1:  # hosting: give way to a newer store?
+            host, port = parse_endpoint(backend.endpoint)
+            others = [e for e in s.member_endpoints() if e != (host.strip("[]"), port)]
+            self._newer = NewerHostWatch(others, self._keys, s.store_token, self._outranked,
+                                         self._yield_to)
+
+    def _stop_failover(self) -> None:
+        """Stops the probes and closes the follower and a store served early (at shutdown)."""
+        probe, newer, follower, early = self._probe, self._newer, self._follower, self._early_backend
+        self._probe, self._newer, self._follower, self._early_backend = None, None, None, None
+        for watcher in (probe, newer):
+            if watcher is not None:
+                watcher.stop()
+        for part in (follower, early):
+            if part is not None:
+                part.close()
 
     @property
     def _fails_over(self) -> bool:

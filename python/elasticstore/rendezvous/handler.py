@@ -17,7 +17,6 @@ import itertools
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,9 +40,7 @@ from .agent_side import AgentSide
 from .backend import StoreBackend
 from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
-from .failover import Carried, HostRecord, endpoint_of
-from .follower import own_follower
-from .hostprobe import HostProbe, NewerHostWatch, silent_after
+from .failover import HostRecord, endpoint_of
 from .native import create_native_backend
 from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
@@ -79,19 +76,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._stop_seen: str | None = None  # the run's closing reason, once a watch saw it
         self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
         self._shut = False  # shutdown() was called: a join in progress gives up
-        self._carried = Carried()  # what this node would seed a new store host with
-        self._lost: BaseException | None = None  # the store's host was lost: switch at the next join
-        self._moves: list[HostRecord] = []  # the switches of store host this node made
-        self._loss_lock = threading.Lock()
-        self._watch: RoundWatch | None = None
-        self._probe: HostProbe | None = None  # the store host's liveness probe (hostprobe.py)
-        self._early: threading.Thread | None = None  # serving the next epoch (takeover.serve_early)
-        self._early_backend: StoreBackend | None = None
-        self._newer: NewerHostWatch | None = None  # a host's look for a store outranking its own
-        self._superseded: HostRecord | None = None
-        self._seeded_round: int | None = None
-        self._follower = own_follower(settings, self._addr, self._keys, self._node,
-                                      backend.server is not None) if self._fails_over else None
+        self._init_failover(backend)
         with self._guard():
             self._attach(backend)
             if self._fails_over and backend.server is not None:  # the first host: epoch 1
@@ -110,15 +95,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         else:
             self._ensure_alive()
         self._spare = backend.clone()
-        if self._fails_over and backend.server is None:  # a silent host noticed in seconds
-            host, port = parse_endpoint(backend.endpoint)
-            self._probe = HostProbe(host.strip("[]"), port, self._settings.store_token,
-                                    silent_after(self._settings.store_timeout), self._saw_loss)
-        elif self._fails_over and len(self._settings.endpoints) > 1:  # hosting: give way?
-            own = parse_endpoint(backend.endpoint)
-            others = [e for e in self._settings.member_endpoints() if e != (own[0].strip("[]"), own[1])]
-            self._newer = NewerHostWatch(others, self._keys, self._settings.store_token,
-                                         self._outranked, self._yield_to)
+        self._watch_host(backend)
 
     # -- torch's interface ----------------------------------------------------------------------
 
@@ -284,10 +261,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         spare, self._spare = self._spare, None
         if spare is not None:
             spare.close()
-        for part in (self._probe, self._newer, self._follower, self._early_backend):
-            if part is not None:
-                part.stop() if isinstance(part, (HostProbe, NewerHostWatch)) else part.close()
-        self._probe, self._newer, self._follower, self._early_backend = None, None, None, None
+        self._stop_failover()
         self._backend.close()
 
     # -- joining ----------------------------------------------------------------------------------

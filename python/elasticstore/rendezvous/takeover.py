@@ -23,7 +23,7 @@ from .executor import Heartbeat
 from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
                        find_host, read_host, seed)
 from .failover import Carried
-from .follower import Follower
+from .follower import Follower, find_copy
 from .hostprobe import HostProbe, NewerHostWatch
 from .native import NativeBackend, connect_native_backend
 from .settings import RendezvousSettings
@@ -125,16 +125,19 @@ def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
 
 def _follow(h: SwitchingNode, cause: BaseException) -> None:
     """A node that saw no round (it waited for its first, or its last one) has no candidates
-    of its own: it looks the store up among its ``--rdzv-endpoint`` entries for up to twice
-    ``FAILOVER_WAIT`` (the survivors' switch), and joins it where a newer host record shows."""
-    settings, known = h._settings, h._carried.host
+    of its own: it looks the store up among its ``--rdzv-endpoint`` entries for twice
+    ``FAILOVER_WAIT`` (the survivors' switch), longer while a follower says the run is alive
+    (up to ``join_timeout``), and joins the newest store served (a newer host, or the same one answering again after a silence). It
+    is in no round: joining any store of the run cannot make a second group."""
+    settings = h._settings
     _detach(h)
-    deadline = time.monotonic() + 2 * FAILOVER_WAIT
+    start = time.monotonic()
+    hard = start + max(2 * FAILOVER_WAIT, settings.join_timeout)
+    deadline = start + 2 * FAILOVER_WAIT  # pushed on while a follower says the run is alive
     for _ in range(1 << 16):
-        found = find_host(settings.member_endpoints(), h._keys, settings.store_token)
-        back = known is not None and found is not None and (found.node, found.epoch) == (
-            known.node, known.epoch)  # the same host answers again (it was silent a while)
-        if found is not None and (back or found.epoch > (known.epoch if known else 1)):
+        endpoints = settings.member_endpoints()
+        found = find_host(endpoints, h._keys, settings.store_token)
+        if found is not None:
             backend = connect_native_backend(settings, *found.address, first_wait=FAILOVER_WAIT)
             h._attach(backend)
             h._carried.host = found
@@ -142,12 +145,14 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
             log.warning("rendezvous %s: the store moved to %s (epoch %d)", settings.run_id,
                         found.endpoint, found.epoch)
             return
+        if find_copy(endpoints, h._keys, settings.store_token) is not None:
+            deadline = min(hard, time.monotonic() + 2 * FAILOVER_WAIT)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     raise RendezvousConnectionError(
         f"rendezvous {settings.run_id!r}: lost the rendezvous store and found no new host among "
-        f"{', '.join(settings.endpoints)} within {2 * FAILOVER_WAIT:g}s") from cause
+        f"{', '.join(settings.endpoints)} within {time.monotonic() - start:.0f}s") from cause
 
 
 def _detach(h: SwitchingNode) -> None:
