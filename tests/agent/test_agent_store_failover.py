@@ -177,7 +177,9 @@ def test_host_restarted_early_joins_the_survivors(tmp_path: object) -> None:
 
 def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
     """Issue 26 A3: the host (agent and workers) SIGSTOPped; with store_timeout=5 the survivors
-    train again at world size 4 within ~10 s (not after the round watch's 60 s slice)."""
+    train again at world size 4 within ~10 s (not after the round watch's 60 s slice). Then
+    SIGCONTed, the old host sees the newer store and joins it as a member (it does not wait out
+    its join_timeout on a store that can form no round): world size 6 again, all exit 0."""
     workdir, port = str(tmp_path), free_port()
     with agents(workdir) as a:
         nodes = [_start_steps(a, i, port, "2:3", workdir, conf=("--rdzv-conf", "store_timeout=5"))
@@ -195,7 +197,12 @@ def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
         finally:
             for pid in stopped:
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGCONT)
                 except OSError:
                     pass
-        _finish(a, nodes[1:], workdir)
+        back_at = time.time()
+        until(lambda: trained_since(workdir, back_at, 6), 60, "the old host back as a member (world size 6)")
+        print(f"old host SIGCONTed -> training at world size 6: "
+              f"{trained_since(workdir, back_at, 6).first - back_at:.1f}s")  # type: ignore[union-attr]
+        assert "(epoch 2)" in a.output(nodes[0]), a.output(nodes[0])
+        _finish(a, nodes, workdir)
