@@ -16,6 +16,7 @@ import threading
 import time
 
 from ..checkpoint import save_checkpoint
+from .dcp_disk import write_shard
 from .fileformat import Buffer, decode
 
 __all__ = ["DiskWriter"]
@@ -94,7 +95,11 @@ class DiskWriter:
                 if orphan:
                     buf.free()
             try:
-                save_checkpoint(self.directory, state, step, keep=self.keep, meta=ident)
+                if isinstance(ident, dict) and ident.get("sharded"):
+                    write_shard(self.directory, step, ident["rank"], ident["world_size"],
+                                state["items"], state["data"], self.keep)
+                else:
+                    save_checkpoint(self.directory, state, step, keep=self.keep, meta=ident)
             except BaseException as err:  # noqa: BLE001 - reported by the owner's next call
                 self.error = err
             finally:

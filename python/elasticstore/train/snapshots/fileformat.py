@@ -8,7 +8,8 @@ The skeleton is ``(identity, state)`` pickled, with every plain strided tensor r
 reference (dtype, shape, offset): plain Python objects are pickled as they are, tensors are
 copied byte for byte into the data region (one ``copy_`` each, from any device). The identity
 (``identity.py``) says whose state it is. Sharded tensors are refused while pickling
-(``ShardedStateError``), before any memory is touched. Reading maps the file and clones every
+(``ShardedStateError``), before any memory is touched: ``Snapshots`` turns sharded state into
+plain local shards and DCP metadata first (``shards.py``). Reading maps the file and clones every
 tensor out of it, so the returned state shares no memory with the file.
 
 The file's blocks are reserved (``posix_fallocate``) before anything is copied into them: a
@@ -147,9 +148,9 @@ class _Pickler(pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, data: torch.Tensor) -> None:
+    def __init__(self, f: io.BytesIO, data: torch.Tensor, clone: bool = True) -> None:
         super().__init__(f)
-        self.data = data
+        self.data, self.clone = data, clone
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "_tensor_ref":
@@ -159,7 +160,10 @@ class _Unpickler(pickle.Unpickler):
     def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
                 nbytes: int) -> torch.Tensor:
         raw = self.data[offset:offset + nbytes]
-        return raw.view(dtype).view(shape).clone() if nbytes else torch.empty(shape, dtype=dtype)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        view = raw.view(dtype).view(shape)
+        return view.clone() if self.clone else view
 
 
 class Buffer:
@@ -318,7 +322,7 @@ def encode(enc: Encoded, step: int, buf: Buffer) -> int:
     return total
 
 
-def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any, Any]:
+def _decode_bytes(mm: mmap.mmap, size: int, clone: bool = True) -> tuple[int, Any, Any]:
     if size < _DATA:
         raise ValueError("shorter than a snapshot header")
     magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(mm[:_HEADER.size])
@@ -331,7 +335,7 @@ def _decode_bytes(mm: mmap.mmap, size: int) -> tuple[int, Any, Any]:
         if data_len else torch.empty(0, dtype=torch.uint8)
     try:
         skeleton = io.BytesIO(mm[skel_offset:skel_offset + skel_len])
-        loaded = _Unpickler(skeleton, data).load()
+        loaded = _Unpickler(skeleton, data, clone).load()
         if not (isinstance(loaded, tuple) and len(loaded) == 2):
             raise ValueError("not an (identity, state) pair")
         return step, loaded[0], loaded[1]
@@ -345,12 +349,15 @@ def decode(buf: Buffer) -> tuple[int, Any, Any]:
     return _decode_bytes(buf.mapped(buf.capacity), buf.capacity)
 
 
-def read_snapshot(path: str) -> tuple[int, Any, Any]:
+def read_snapshot(path: str, clone: bool = True) -> tuple[int, Any, Any]:
     """(step, identity record, state) of the snapshot file ``path``; ``ValueError`` when it is
-    not one."""
+    not one. ``clone=False``: the tensors view a private (copy-on-write) mapping of the file,
+    which lives as long as they do (nothing copied until written)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise ValueError("empty")
+        if not clone:
+            return _decode_bytes(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), size, False)
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
             return _decode_bytes(mm, size)

@@ -3,8 +3,9 @@
 Every snapshot (and every disk checkpoint written from one) records its ``Identity``: the step,
 the global rank and world size that wrote it, and whether the state is *replicated* (the same on
 every rank, as with DDP: any rank's copy serves every rank, at any world size) or *per-rank* (only
-the rank that wrote it, at the same world size, may get it back). Sharded tensors are neither: they
-are refused when a snapshot is taken (``..sharded``), until sharded snapshots exist.
+the rank that wrote it, at the same world size, may get it back) or *sharded* (DTensors: each rank
+holds its shards with the metadata a resharding load needs; restored with a template, at any world
+size, once the shards of every writer rank are found: ``shards.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ class Identity:
     rank: int
     world_size: int
     replicated: bool
+    sharded: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size,
-                "replicated": self.replicated}
+                "replicated": self.replicated, "sharded": self.sharded}
 
     @classmethod
     def from_dict(cls, d: Any) -> Identity:
@@ -40,12 +42,14 @@ class Identity:
             step, rank, world, rep = d["step"], d["rank"], d["world_size"], d["replicated"]
         except KeyError as err:
             raise ValueError(f"identity record without {err}") from None
-        if not (all(type(v) is int for v in (step, rank, world)) and type(rep) is bool):
+        sharded = d.get("sharded", False)
+        if not (all(type(v) is int for v in (step, rank, world)) and type(rep) is bool
+                and type(sharded) is bool):
             raise ValueError(f"malformed identity record {dict(d)!r}")
-        return cls(step, rank, world, rep)
+        return cls(step, rank, world, rep, sharded)
 
     def describe(self) -> str:
-        kind = "replicated" if self.replicated else "per-rank"
+        kind = "sharded" if self.sharded else "replicated" if self.replicated else "per-rank"
         return f"{kind} state of step {self.step} from rank {self.rank} of {self.world_size}"
 
 
@@ -60,6 +64,10 @@ def check_identity(found: Identity, step: int, rank: int, world: int, replicated
     """Raises ``SnapshotMismatchError`` unless ``found`` may be handed to ``rank`` of ``world``
     as the state of ``step``."""
     want = "replicated" if replicated else "per-rank"
+    if found.sharded:
+        raise SnapshotMismatchError(
+            f"holds {found.describe()}: sharded state is restored with a template, "
+            "restore(template=your_state_dict), which reshards it")
     if found.step != step:
         raise SnapshotMismatchError(f"holds {found.describe()}, not step {step}")
     if found.replicated != replicated:

@@ -14,7 +14,11 @@ plus the one being taken, plus (when the disk writer lags) the one waiting for i
 
 The state is *replicated* (the same on every rank, e.g. DDP's; the default) or, with
 ``replicated=False``, *per-rank*: only the rank that took it gets it back (``identity.py``).
-Sharded tensors (``DTensor``, ``ShardedTensor``) are refused (``ShardedStateError``).
+A state holding DTensors (FSDP2's ``fully_shard``, ``get_state_dict``) is *sharded*: each rank
+stores its local shards with DCP's metadata (``shards.py``), its disk checkpoints are DCP
+checkpoints written by every rank (``dcp_disk.py``), and ``restore(template=...)`` loads it into
+the template, resharded (``sharded_restore.py``). ``ShardedTensor`` is refused
+(``ShardedStateError``).
 
 ``Snapshots.restore`` (a collective, ``restore.py``) returns the newest step that every rank can
 get: from this node's memory, else (replicated state) from another node's, else from disk, and
@@ -42,11 +46,13 @@ from typing import Any
 import torch.distributed as dist
 
 from .disk import DiskWriter
-from .errors import SnapshotSpaceError
+from .errors import ShardedStateError, SnapshotSpaceError
 from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
                          stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
 from .restore import Restored, restore
+from .sharded_restore import restore_sharded
+from .shards import to_payload
 
 __all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "SnapshotSettings", "Snapshots"]
 
@@ -111,8 +117,10 @@ class Snapshots:
         if write_checkpoints is None:
             write_checkpoints = this_rank()[0] == 0
         self.write_checkpoints = write_checkpoints and self.checkpoint_dir is not None
+        # on every rank: each writes its own shard of a sharded state's checkpoint
         self._disk = (DiskWriter(self.checkpoint_dir, keep_checkpoints)
-                      if self.checkpoint_dir is not None and self.write_checkpoints else None)
+                      if self.checkpoint_dir is not None else None)
+        self._sharded = False  # the state held DTensors (its snapshots are sharded)
         self.last_copy_s = 0.0  # how long the latest snapshot blocked its step
         self.last_bytes = 0
         self._published: list[Buffer] | None = None  # oldest first (None: not listed yet)
@@ -138,8 +146,8 @@ class Snapshots:
         """Copies ``state`` (a dict of tensors and plain, picklable Python objects; or a function
         returning it, called only when due) as the snapshot of ``step`` when ``due(step)``;
         returns whether it did. Blocks for the copy; the disk checkpoint of the step, when one
-        is due, is written in the background. ``ShardedStateError`` for sharded tensors (nothing
-        is written)."""
+        is due, is written in the background. DTensors are stored as this rank's shards (see the
+        module); ``ShardedStateError`` for a ``ShardedTensor`` (nothing is written)."""
         if self._closed:
             raise RuntimeError("Snapshots is closed")
         self._raise_disk_error()
@@ -150,7 +158,15 @@ class Snapshots:
         if self._rank is None:
             self._rank = this_rank()
         rank, world = self._rank
-        enc = prepare(value, Identity(step, rank, world, self.replicated).to_dict())
+        if not self._sharded:
+            try:
+                enc = prepare(value, Identity(step, rank, world, self.replicated).to_dict())
+            except ShardedStateError:
+                if _has_sharded_tensor(value):
+                    raise
+                self._sharded = True
+        if self._sharded:
+            enc = prepare(to_payload(value), Identity(step, rank, world, False, True).to_dict())
         try:
             buf = self._write(enc, step)
         except SnapshotSpaceError as err:
@@ -163,7 +179,8 @@ class Snapshots:
         else:
             self._published.append(buf)
         self.last_copy_s = time.perf_counter() - started
-        if self._disk is not None and step % self.checkpoint_every == 0:
+        if self._disk is not None and step % self.checkpoint_every == 0 \
+                and (self._sharded or self.write_checkpoints):
             if not self._flushing_at_exit:
                 self._flushing_at_exit = True
                 atexit.register(self._flush_at_exit)  # a script that ends without close()
@@ -293,10 +310,38 @@ class Snapshots:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def restore(self, group: dist.ProcessGroup | None = None) -> Restored | None:
+    def restore(self, group: dist.ProcessGroup | None = None, *,
+                template: dict[str, Any] | None = None) -> Restored | None:
         """The newest step every rank of ``group`` can get (a collective when a process group is
         initialised; ``group`` must take CPU tensors, e.g. gloo). None when there is none.
         ``SnapshotMismatchError`` when what there is is not this rank's to take (see
-        ``restore.py``)."""
+        ``restore.py``). Sharded state: pass ``template``, the run's own state dict (e.g.
+        ``{"model": msd, "optim": osd}`` from ``get_state_dict``): the step is loaded into it in
+        place, resharded to this world size and layout (``sharded_restore.py``); the result's
+        ``state`` is the template."""
+        if template is not None:
+            if not isinstance(template, dict):
+                raise TypeError(f"template must be a dict (the run's state dict), not "
+                                f"{type(template).__name__}")
+            return restore_sharded(self.settings.directory, self.checkpoint_dir, template, group)
         return restore(self.settings.directory, self.settings.local_rank, self.checkpoint_dir,
                        self.replicated, group)
+
+
+def _has_sharded_tensor(state: Any) -> bool:
+    """Whether ``state`` holds a ``ShardedTensor`` (refused; DTensors are snapshotted)."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return False
+    todo, seen = [state], 0
+    while todo and seen < 100_000:
+        obj = todo.pop()
+        seen += 1
+        if isinstance(obj, ShardedTensor):
+            return True
+        if isinstance(obj, Mapping):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return False

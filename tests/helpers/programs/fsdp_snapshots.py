@@ -1,0 +1,102 @@
+"""FSDP2 training with sharded snapshots, for ``tests/train/test_train_fsdp_snapshots.py`` (gloo,
+env://; under elasticstore-run or started by the test with RANK/WORLD_SIZE/LOCAL_RANK).
+
+Every run first restores (``Snapshots.restore(template=...)``) and writes what it got to
+``restored-<attempt>-<world>.json`` and the full state it holds then (every DTensor's
+``full_tensor()``) to ``restored-<attempt>-<world>.pt``; then trains to ``--steps``, snapshotting
+every step and writing the full state after each step's snapshot to ``full-<step>.pt`` (rank 0).
+``--kill-rank R --kill-at K``: rank R SIGKILLs itself in the first attempt after step K's
+snapshot. ``--ckpt DIR``: disk checkpoints (DCP) every ``--ckpt-every`` steps.
+"""
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+
+def full_state(state: Any) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.tensor import DTensor
+
+    flat, _ = flatten_state_dict(state)
+    out = {}
+    for k in sorted(flat):
+        v = flat[k]
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        out[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--ckpt-every", type=int, default=1)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elasticstore.train import Snapshots
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 14), nn.ReLU(), nn.Linear(14, 3))  # uneven shards
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def state() -> dict[str, Any]:
+        msd, osd = get_state_dict(model, optim)
+        return {"model": msd, "optim": osd, "extra": {"note": "x", "steps_seen": step}}
+
+    step = 0
+    snaps = Snapshots(every=1, checkpoint_dir=args.ckpt, checkpoint_every=args.ckpt_every,
+                      keep_checkpoints=2)
+    template = state()
+    restored = snaps.restore(template=template)
+    if restored is not None:
+        set_state_dict(model, optim, model_state_dict=template["model"],
+                       optim_state_dict=template["optim"])
+        step = restored.step
+    full = full_state(state())
+    if rank == 0:
+        tag = f"restored-{attempt}-{world}"
+        torch.save(full, os.path.join(args.dir, f"{tag}.pt"))
+        with open(os.path.join(args.dir, f"{tag}.json"), "w") as f:
+            json.dump(None if restored is None else {
+                "step": restored.step, "source": restored.source,
+                "extra": template["extra"]}, f)
+    while step < args.steps:
+        step += 1
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x = torch.randn(8, 10, generator=g)
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        snaps.snapshot(state, step)
+        full = full_state(state())
+        if rank == 0:
+            torch.save(full, os.path.join(args.dir, f"full-{step}.pt"))
+        if attempt == 0 and rank == args.kill_rank and step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    snaps.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
