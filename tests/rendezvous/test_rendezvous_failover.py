@@ -265,8 +265,10 @@ def test_store_host_and_the_next_candidate_lost_the_one_after_hosts() -> None:
     with group(5, 5) as g:
         h = g.handlers
         g.round(0, 1, 2, 3, 4)
+        # Gone just before the host (a candidate notices the loss at once and serves from the
+        # thread that noticed it, so it must be gone first never to serve).
+        h[1].shutdown()
         lost = g.lose(0)
-        h[1].shutdown()  # gone before it noticed the loss: it never serves
         for i in (2, 3, 4):
             until(lambda i=i: h[i].num_nodes_waiting() > 0, 10, "num_nodes_waiting > 0")
         joins = g.start(2, 3, 4)

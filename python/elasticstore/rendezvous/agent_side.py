@@ -91,6 +91,9 @@ class AgentSide:
 
     def _stop_failover(self) -> None:
         """Stops the probes and closes the follower and a store served early (at shutdown)."""
+        serving = self._early
+        if serving is not None:  # a store being served at once: closed below, not leaked
+            serving.join(10.0)
         probe, newer, follower, early = self._probe, self._newer, self._follower, self._early_backend
         self._probe, self._newer, self._follower, self._early_backend = None, None, None, None
         for watcher in (probe, newer):
@@ -124,7 +127,7 @@ class AgentSide:
         its agent stopped its workers), and the next join switches without waiting on the lost
         host again."""
         with self._loss_lock:
-            if self._lost is not None or not self._may_fail_over(error):
+            if self._lost is not None or self._shut or not self._may_fail_over(error):
                 return
             self._lost = error
         watch = self._watch

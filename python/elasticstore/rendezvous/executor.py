@@ -152,9 +152,11 @@ class RingWatcher:
     for it."""
 
     def __init__(self, backend: StoreBackend, keys: Keys, rnd: int, successor: str,
-                 silent_after: float | None = None) -> None:
+                 silent_after: float | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self._b, self._k, self._rnd, self._succ = backend, keys, rnd, successor
         self._silent_after = silent_after
+        self._on_error = on_error  # told when the watch fails (the store's host may be lost)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"rdzv-ring-{rnd}", daemon=True
@@ -197,6 +199,8 @@ class RingWatcher:
         except Exception as exc:
             if not self._stop.is_set():
                 log.warning("round %d: watching %s failed: %s", self._rnd, self._succ, exc)
+                if self._on_error is not None:
+                    self._on_error(exc)
         finally:
             try:
                 b.close()

@@ -365,7 +365,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             successor = state.participants[(rank + 1) % state.world_size]
             spare, self._spare = self._spare, None
             silent = self._settings.lease_ttl if backend.needs_heartbeat else None
-            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent)
+            self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent,
+                                     self._saw_loss if self._fails_over else None)
         if rank == 0:
             self._worker_server = server = host_worker_store(self._addr, state,
                                                              self._settings.store_token)
