@@ -2,7 +2,7 @@
 env://; under elasticstore-run or started by the test with RANK/WORLD_SIZE/LOCAL_RANK).
 
 Every run first restores (``Snapshots.restore(template=...)``) and writes what it got to
-``restored-<attempt>-<world>.json`` and the full state it holds then (every DTensor's
+``restored-<attempt>-<world>.json`` (with every rank's source) and the full state it holds then (every DTensor's
 ``full_tensor()``) to ``restored-<attempt>-<world>.pt``; then trains to ``--steps``, snapshotting
 every step and writing the full state after each step's snapshot to ``full-<step>.pt`` (rank 0).
 ``--kill-rank R --kill-at K``: rank R SIGKILLs itself in the first attempt after step K's
@@ -72,12 +72,14 @@ def main() -> None:
                        optim_state_dict=template["optim"])
         step = restored.step
     full = full_state(state())
+    sources: list[Any] = [None] * world
+    dist.all_gather_object(sources, None if restored is None else restored.source)
     if rank == 0:
         tag = f"restored-{attempt}-{world}"
         torch.save(full, os.path.join(args.dir, f"{tag}.pt"))
         with open(os.path.join(args.dir, f"{tag}.json"), "w") as f:
             json.dump(None if restored is None else {
-                "step": restored.step, "source": restored.source,
+                "step": restored.step, "source": restored.source, "sources": sources,
                 "extra": template["extra"]}, f)
     while step < args.steps:
         step += 1
@@ -91,8 +93,10 @@ def main() -> None:
         full = full_state(state())
         if rank == 0:
             torch.save(full, os.path.join(args.dir, f"full-{step}.pt"))
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 0 and step == args.kill_at:
+            dist.barrier()  # full-<step>.pt is written before the kill
+            if rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
     snaps.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""Sharded (FSDP2) snapshots: restored into the run's own state dict, resharded, never wrong.
+
+- ``restorable_step`` ("which step can every rank restore") as a table; mismatched metadata
+  refused (``build_metadata``).
+- 4 real ranks on two "nodes" (two snapshot directories) train an FSDP2 model (gloo), snapshot
+  every step and write DCP disk checkpoints; then 3 ranks restore from memory (one chunk comes
+  from a peer) and 2 ranks that hold only half of the newest step's shards restore the disk
+  checkpoint instead: the full state (every DTensor's ``full_tensor()``) bit-identical.
+- Under elasticstore-run, 2 simulated nodes x 2 workers: a worker SIGKILLed after step 3 comes
+  back, the group resumes from step 3 from memory at world size 4, bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from agent_nodes import agents, free_port, node_flags
+from paths import program
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from elasticstore.agent.snapshots import ROOT_ENV
+from elasticstore.train import SnapshotMismatchError
+from elasticstore.train.snapshots.shards import build_metadata, restorable_step
+
+TRAIN = program("fsdp_snapshots.py")
+CONF = ["--rdzv-conf", "last_call_timeout=1"]
+
+
+@pytest.mark.parametrize("holdings, want", [
+    ({}, None),
+    ({3: {0: 2, 1: 2}}, 3),
+    ({3: {0: 2}, 2: {0: 2, 1: 2}}, 2),  # a shard of step 3 nobody holds: step 2
+    ({3: {0: 4, 1: 4, 2: 4}, 2: {0: 4, 1: 4, 2: 4, 3: 4}}, 2),
+    ({5: {0: 2, 1: 2, 2: 4, 3: 4}}, None),  # files of two world sizes
+    ({5: {1: 1}}, None),  # rank 1 of a world of 1: not one run's
+    ({7: {0: 1}, 9: {0: 2, 1: 2}}, 9),
+])
+def test_which_step_every_rank_can_restore(holdings: dict[int, dict[int, int]],
+                                           want: int | None) -> None:
+    assert restorable_step(holdings) == want
+
+
+def _item(fqn: str, offset: int, size: int, total: int,
+          dtype: torch.dtype = torch.float32) -> WriteItem:
+    return WriteItem(MetadataIndex(fqn, torch.Size([offset])), WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(
+                         ChunkStorageMetadata(torch.Size([offset]), torch.Size([size])),
+                         TensorProperties(dtype=dtype), torch.Size([total])))
+
+
+def test_mismatched_metadata_is_refused() -> None:
+    md = build_metadata(1, {0: [_item("w", 0, 3, 5)], 1: [_item("w", 3, 2, 5)]})
+    assert [tuple(c.offsets) for c in md.state_dict_metadata["w"].chunks] == [(0,), (3,)]
+    with pytest.raises(SnapshotMismatchError, match="disagree on 'w'"):
+        build_metadata(1, {0: [_item("w", 0, 3, 5)], 1: [_item("w", 3, 3, 6)]})
+    with pytest.raises(SnapshotMismatchError, match="disagree on 'w'"):
+        build_metadata(1, {0: [_item("w", 0, 3, 5)],
+                           1: [_item("w", 3, 2, 5, torch.float16)]})
+    with pytest.raises(SnapshotMismatchError, match="cover 3 of its 5"):
+        build_metadata(1, {0: [_item("w", 0, 3, 5)]})
+
+
+def run_ranks(out: str, nodes: list[tuple[str, int]], *args: str, timeout: float = 150) -> None:
+    """One process per rank (rank i: its node's snapshot directory and local rank)."""
+    port = free_port("127.0.0.1")
+    os.makedirs(out, exist_ok=True)
+    procs = []
+    try:
+        for rank, (directory, local) in enumerate(nodes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(nodes)),
+                       LOCAL_RANK=str(local), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       ELASTICSTORE_SNAPSHOT_DIR=directory)
+            log = open(os.path.join(out, f"log-{rank}"), "wb")
+            procs.append(subprocess.Popen([sys.executable, TRAIN, "--dir", out, *args], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            log.close()
+        for rank, proc in enumerate(procs):
+            code = proc.wait(timeout)
+            with open(os.path.join(out, f"log-{rank}"), errors="replace") as f:
+                assert code == 0, f.read()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+def restored(out: str, attempt: int, world: int) -> tuple[Any, dict[str, Any]]:
+    with open(os.path.join(out, f"restored-{attempt}-{world}.json")) as f:
+        got = json.load(f)
+    return got, torch.load(os.path.join(out, f"restored-{attempt}-{world}.pt"), weights_only=False)
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.slow  # ~40-70 s on 2 shared cores (3 launches of 2-4 ranks)
+@pytest.mark.timeout(400)
+def test_resharded_from_memory_and_from_disk(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a)
+    os.mkdir(b)
+    ckpt = str(tmp_path / "ckpt")
+    take = str(tmp_path / "take")
+    run_ranks(take, [(a, 0), (a, 1), (b, 0), (b, 1)], "--steps", "3", "--ckpt", ckpt,
+              "--ckpt-every", "2")
+    assert sorted(os.listdir(ckpt)) == ["dcp-step-000000000002"]
+    full = {s: torch.load(os.path.join(take, f"full-{s}.pt"), weights_only=False)
+            for s in (2, 3)}
+    # 3 ranks on both nodes: step 3 from memory, resharded 4 -> 3 (rank 1 gets a chunk of old
+    # rank 2's shard from rank 2, on the other node)
+    three = str(tmp_path / "three")
+    run_ranks(three, [(a, 0), (a, 1), (b, 0)], "--steps", "3")
+    got, state = restored(three, 0, 3)
+    assert got["step"] == 3 and got["sources"] == ["memory", "peer", "memory"], got
+    assert_same(state, full[3])
+    # 2 ranks on node a only: nobody holds old ranks 2 and 3's shards of step 3 (nor of 2):
+    # the disk checkpoint of step 2, resharded 4 -> 2
+    two = str(tmp_path / "two")
+    run_ranks(two, [(a, 0), (a, 1)], "--steps", "2", "--ckpt", ckpt, "--ckpt-every", "2")
+    got, state = restored(two, 0, 2)
+    assert got["step"] == 2 and got["sources"] == ["disk", "disk"], got
+    assert_same(state, full[2])
+
+
+@pytest.mark.slow  # ~20-40 s on 2 shared cores
+@pytest.mark.timeout(300)
+def test_worker_killed_resumes_from_memory_bit_identical(tmp_path: Path) -> None:
+    workdir, port = str(tmp_path), free_port()
+    root = str(tmp_path / "shm")
+    os.mkdir(root)
+    env = {ROOT_ENV: root}
+    args = ["--dir", workdir, "--steps", "5", "--kill-rank", "2", "--kill-at", "3"]
+    with agents(workdir) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "2", 2, *CONF, "--max-restarts", "1"), args,
+                     name="n1", env=env, script=TRAIN)
+        n2 = a.start(node_flags("127.0.0.3", port, "2", 2, *CONF, "--max-restarts", "1"), args,
+                     name="n2", env=env, script=TRAIN)
+        for proc in (n1, n2):
+            assert a.wait(proc, 240) == 0, a.output(proc)[-4000:]
+    got, state = restored(workdir, 1, 4)
+    # from memory: the node's own, or (were the ranks placed on the other node) its peer's
+    assert got["step"] == 3 and set(got["sources"]) <= {"memory", "peer"}, got
+    assert_same(state, torch.load(os.path.join(workdir, "full-3.pt"), weights_only=False))
+    assert os.listdir(root) == []
