@@ -3,7 +3,7 @@
 ``Agent`` takes its parts from outside (the rendezvous handler, the fork server factory, the
 clock) and reacts to events from one wait point (a selector): a worker exited (its status socket
 from the fork server), the round must be replaced (a thread blocked in the handler's
-``watch_round``), a signal came (the wakeup fd), the fork server died; with heartbeats, the
+``watch_round``), a signal came (``wakeup.py``), the fork server died; with heartbeats, the
 selector's timeout reads the heartbeat board.
 
 - A worker failed, or stopped beating (``hangs.py``: its stacks are shown first): end the round
@@ -19,8 +19,7 @@ selector's timeout reads the heartbeat board.
 - The rendezvous closed by an operator (``elasticstore stop``): stop the workers, report "stopped
   by operator", exit 0; an agent hosting the store first serves until the others left.
 
-Every step is an event (``events.py``): events.jsonl, the status record, the metrics.
-"""
+Every step is an event (``events.py``): events.jsonl, the status record, the metrics."""
 
 from __future__ import annotations
 
@@ -49,9 +48,10 @@ from .hangs import Hang, HangWatch
 from .health import HealthGate
 from .logs import open_rank_log, rank_output, run_log_dir, say
 from .platforms import PlatformHooks
-from .rounds import RendezvousCall, assign, say_moves
+from .rounds import RendezvousCall, assign, say_moves, say_round
 from .roundwatch import RoundWatcher
 from .snapshots import SnapshotArea
+from .wakeup import SignalWakeup
 from .workers import Worker, WorkerGroup, WorkerSpec, signal_name
 
 __all__ = ["Agent"]
@@ -100,11 +100,8 @@ class Agent:
 
     def run(self) -> int:
         """Runs the job on this node; returns the exit code of the launcher."""
-        self._sig_r, sig_w = socket.socketpair()
-        self._sig_r.setblocking(False)
-        sig_w.setblocking(False)
-        old = {sig: signal.signal(sig, lambda *_: None) for sig in self.s.signals}
-        old_fd = signal.set_wakeup_fd(sig_w.fileno())
+        self._wakeup = SignalWakeup(self.s.signals)
+        self._sig_r = self._wakeup.sock
         start = self._clock()
         if self._log_root and not self.s.log_dir:
             say(f"[elasticstore-run] log directory set to: {self._log_root} (-r/-t without --log-dir)")
@@ -146,13 +143,9 @@ class Agent:
                     self._rdzv_thread and self._rdzv_thread.is_alive()):
                 self.events.publish(state=self._verdict(code))
                 if self._closing:  # the others must still read why the run closed
-                    drain.serve_until_left(self.handler, self.s.drain_timeout, self._signalled)
+                    drain.serve_until_left(self.handler, self.s.drain_timeout, self._wakeup.pending)
             self._shutdown_handler()
-            signal.set_wakeup_fd(old_fd)
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            sig_w.close()
-            self._sig_r.close()
+            self._wakeup.close()
             self.events.torch_event("STOPPED" if self._operator_stopped else
                                     "SUCCEEDED" if code == 0 else "FAILED")
             self.events.close()
@@ -174,7 +167,7 @@ class Agent:
             attempt, base, world = self._assign(info)
             t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)
-            self._say_round(info, base, world, t1 - t0, self._clock() - t1)
+            say_round(self.handler, info, base, world, self.s.nproc, t1 - t0, self._clock() - t1)
             assert self._group is not None
             self.events.round_formed(self.handler.round, self._rounds, info.rank,
                                      info.world_size, (base, base + self.s.nproc - 1), world,
@@ -275,14 +268,6 @@ class Agent:
             self._server = self._server_factory(self.s.warm)
         return self._server
 
-    def _say_round(self, info: RendezvousInfo, base: int, world: int, rdzv: float, start: float) -> None:
-        rnd = self.handler.round
-        members = f" [{', '.join(rnd.participants)}]" if rnd is not None else ""
-        number = f" {rnd.round}" if rnd is not None else ""
-        say(f"[elasticstore-run] round{number}: {info.world_size} node(s){members}, world size "
-            f"{world}; node rank {info.rank}, ranks {base}-{base + self.s.nproc - 1}; rendezvous "
-            f"{rdzv:.3f}s, workers started in {start:.3f}s")
-
     # -- the wait point -----------------------------------------------------------------------
 
     def _watch(self, info: RendezvousInfo, attempt: int) -> tuple[str, Any]:
@@ -365,14 +350,7 @@ class Agent:
         self._stop_group(signal.SIGKILL)  # what the workers' trees left behind
         self.events.publish(state="succeeded")
         drain.finish(info, attempt, self.handler, self.s.drain_timeout, self._clock,
-                     self._signalled, self._shutdown_handler)
-
-    def _signalled(self) -> bool:
-        """Whether a signal came (consumed: the caller gives up what it waits for)."""
-        try:
-            return bool(self._sig_r.recv(64))
-        except BlockingIOError:
-            return False
+                     self._wakeup.pending, self._shutdown_handler)
 
     def _shutdown_handler(self) -> None:
         if self._shut:
@@ -388,16 +366,8 @@ class Agent:
         group, self._group = self._group, None
         if group is None:
             return []
-        t0 = self._clock()
-        running = group.running()
-        group.stop(self.s.shutdown_timeout, sig)
-        for worker in running:
-            if worker.exit_code is not None:
-                self.events.worker_exited(worker, stopped=True)
-        if self._clock() - t0 > 1.0:
-            say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
-                f"({group.describe()})")
-        return running
+        return group.stop_reporting(self.s.shutdown_timeout, sig,
+                                    lambda w: self.events.worker_exited(w, stopped=True))
 
     # -- what the outside sees (events.jsonl, the status record, metrics) ----------------------
 
@@ -408,17 +378,11 @@ class Agent:
             return "refused (the run id finished before)"
         return "succeeded" if code == 0 else f"failed (exit code {code})"
 
-    def _closed_reason(self) -> str | None:
-        try:
-            return self.handler.closed_reason()
-        except Exception:
-            return None
-
     def _stopped_by_operator(self) -> bool:
-        return self._closed_reason() == "stopped by operator"
+        return drain.closed_reason(self.handler) == "stopped by operator"
 
     def _run_finished(self) -> bool:  # a node's workers succeeded: the run is closed as finished
-        return self._closed_reason() == FINISHED
+        return drain.closed_reason(self.handler) == FINISHED
 
     def _operator_stop(self) -> int:
         say("[elasticstore-run] the rendezvous was closed: stopped by operator; stopping the workers")

@@ -22,9 +22,18 @@ from ..rendezvous.api import AgentRendezvous
 from ..rendezvous.state import AgentKeys
 from .logs import say
 
-__all__ = ["WAIT_SLICE", "finish", "mark_finished", "serve_until_left"]
+__all__ = ["WAIT_SLICE", "closed_reason", "finish", "mark_finished", "serve_until_left"]
 
 WAIT_SLICE = 1.0  # seconds: the longest single wait between checks for a signal
+
+
+def closed_reason(handler: AgentRendezvous) -> str | None:
+    """Why the run was closed (``closing.FINISHED``, "stopped by operator", ...), None when open
+    or when the store cannot say."""
+    try:
+        return handler.closed_reason()
+    except Exception:
+        return None
 
 
 def mark_finished(handler: AgentRendezvous) -> None:

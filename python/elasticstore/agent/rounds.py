@@ -20,7 +20,7 @@ from ..rendezvous.state import AgentKeys
 from .forkclient import ForkServer
 from .logs import say
 
-__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "say_moves"]
+__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "say_moves", "say_round"]
 
 ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the round's store
 
@@ -118,3 +118,14 @@ def say_moves(handler: AgentRendezvous, events: Any, seen: int) -> int:
         events.emit("store_moved", previous=move.previous, endpoint=move.endpoint,
                     epoch=move.epoch, node=move.node, since=move.since)
     return len(moves)
+
+
+def say_round(handler: AgentRendezvous, info: RendezvousInfo, base: int, world: int, nproc: int,
+              rdzv: float, start: float) -> None:
+    """The console line of a round this node's workers started in."""
+    rnd = handler.round
+    members = f" [{', '.join(rnd.participants)}]" if rnd is not None else ""
+    number = f" {rnd.round}" if rnd is not None else ""
+    say(f"[elasticstore-run] round{number}: {info.world_size} node(s){members}, world size "
+        f"{world}; node rank {info.rank}, ranks {base}-{base + nproc - 1}; rendezvous "
+        f"{rdzv:.3f}s, workers started in {start:.3f}s")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .forkclient import ForkServer, read_status
-from .logs import LogRelay
+from .logs import LogRelay, say
 
 __all__ = ["Worker", "WorkerGroup", "WorkerSpec", "signal_name"]
 
@@ -178,6 +178,20 @@ class WorkerGroup:
         self.send(signal.SIGKILL)
         self._wait(self._clock() + 10.0)
         self._close_relays()
+
+    def stop_reporting(self, timeout: float, sig: int, exited: Callable[[Worker], None]) -> list[Worker]:
+        """:meth:`stop`, then ``exited(worker)`` for each worker that was running and exited;
+        returns those workers. Says so when stopping took over a second."""
+        t0 = self._clock()
+        running = self.running()
+        self.stop(timeout, sig)
+        for worker in running:
+            if worker.exit_code is not None:
+                exited(worker)
+        if self._clock() - t0 > 1.0:
+            say(f"[elasticstore-run] stopping the workers took {self._clock() - t0:.1f}s "
+                f"({self.describe()})")
+        return running
 
     def _close_relays(self) -> None:
         for w in self.workers:
