@@ -241,7 +241,8 @@ def test_fork_server_modules_stay_small_and_standard_library_only() -> None:
     """The fork server runs as a script and loads its siblings by path: they import nothing
     from the package (and so never torch) before a worker runs."""
     agent_dir = os.path.join(ROOT, "python", "elasticstore", "agent")
-    for name in ("forkserver.py", "preload.py", "importreport.py", "freshstate.py"):
+    for name in ("forkserver.py", "preload.py", "importreport.py", "freshstate.py", "standin.py",
+                 "warmrun.py"):
         with open(os.path.join(agent_dir, name)) as f:
             text = f.read()
         assert len(text.splitlines()) <= 400, name

@@ -98,8 +98,8 @@ class ForkServer:
         return int(reply[4:]), mine
 
     def preloads(self, timeout: float = 600.0) -> PreloadReport | None:
-        """Has the server finish preloading what the workers reported; what it preloaded and
-        refused since the last call (None: it did not answer)."""
+        """What the server preloaded and refused since the last call (None: it did not
+        answer); it never waits for an import in progress (its stand-in answers then)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             socket.send_fds(self._ctl, [json.dumps({"op": "preload"}).encode()], [theirs.fileno()])

@@ -15,17 +15,18 @@ and exits; it does the same when the agent closes the control socket. Other sign
 agent's process group (Ctrl-C, ``timeout``) are the agent's to act on: this process ignores them.
 
 Unless the agent turns it off, warm workers report the third-party packages they import
-(``importreport.py``), which this process preloads when idle (``preload.py``); a worker's exit
-during such an import is reported from the SIGCHLD handler. Protocol: see ``forkclient.py``.
+(``importreport.py``), which this process preloads when idle (``preload.py``) while a copy of it
+forked before the import began (``standin.py``) serves the agent: a restart never waits for an
+import, and no fork is ever taken from a module imported in part. A worker's exit during such an
+import is reported from the SIGCHLD handler. The worker runs its script with ``warmrun.py``.
+Protocol: see ``forkclient.py``.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import ctypes
 import gc
-import io
 import json
 import os
 import select
@@ -34,7 +35,6 @@ import signal
 import socket
 import sys
 import time
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class _Server:
         self.wake_w.setblocking(False)
         self.learner = learner  # workers report their imports to it (preload.py)
         self.forked, self.idle = False, False  # idle: in idle work (imports)
+        self.notes = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # standin.py
+        self.notes[0].setblocking(False)
+        self.stand_in: Any = None  # serves the agent while this process imports
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
@@ -86,14 +89,9 @@ class _Server:
             idle_work = self.deferred or (learner is not None and learner.pending)
             # Idle work waits for the first fork: the first round never waits for it.
             ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.forked else None)
-            self.idle = not ready
-            if not ready and self.deferred:
-                _import(self.deferred.pop(0))
-                if learner is not None:  # what the fork server itself imports is trusted
-                    learner.rebase()
-            elif not ready and learner is not None:
-                learner.work(self._busy)
-            self.idle = False
+            job = None if ready else self._idle_work()
+            if job is not None:
+                return job
             for key, _ in ready:
                 if learner is not None and key.fileobj == learner.pipe_r:
                     learner.drain()
@@ -130,18 +128,51 @@ class _Server:
                 if job is not None:
                     return job
 
+    def _idle_work(self) -> dict[str, Any] | None:
+        """Imports (the deferred preload, or what the workers reported) while a stand-in forked
+        before serves the agent (``standin.py``): a restart never waits for an import. Returns
+        the job in a worker that the stand-in forked."""
+        learner, stand_in = self.learner, None
+        if learner is None or learner.unsafe() is None:  # else: it forks no more anyway
+            stand_in = _STANDIN.StandIn(self.notes, _MAX_MSG)
+            job = stand_in.fork(self.ctl, self._prepare)
+            if job is not None:
+                return job
+        self.idle, self.stand_in = True, stand_in
+        try:
+            if self.deferred:
+                _import(self.deferred.pop(0))
+                if learner is not None:  # what the fork server itself imports is trusted
+                    learner.rebase()
+            elif learner is not None:
+                learner.work(self._busy)
+        finally:
+            if stand_in is not None:
+                stand_in.stop(self.workers)
+            self.idle, self.stand_in = False, None
+        return None
+
+    def _prepare(self, job: dict[str, Any], fds: list[int]) -> None:
+        """In a worker forked by a stand-in: what ``_fork`` does in its child."""
+        job["fds"], job["status"] = fds[1:], fds[0]
+        job["imports"] = self.learner.pipe_w if self.learner is not None else None
+        self._close_in_child(None)
+
     def _on_child_exit(self, *_: object) -> None:  # runs between an idle import's bytecodes
         if self.idle:  # so an exit is not reported after the errors it causes elsewhere
             self._reap(workers_only=True)
 
     def _busy(self) -> bool:
         """Asked during idle work: reports workers' exits at once (the agent reacts to a
-        failure without waiting for a preload); True: the agent wants something."""
+        failure without waiting for a preload); True: the agent wants something (with a
+        stand-in: only when it is gone, as when the agent closed the socket)."""
         try:
             if self.wake_r.recv(512):
                 self._reap(workers_only=True)  # not a probe: it waits for its own child
         except BlockingIOError:
             pass
+        if self.stand_in is not None:
+            return not self.stand_in.alive()
         return bool(select.select([self.ctl], [], [], 0)[0])
 
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
@@ -175,15 +206,18 @@ class _Server:
         self.workers[pid] = status
         return None
 
-    def _close_in_child(self, status: socket.socket) -> None:
+    def _close_in_child(self, status: socket.socket | None) -> None:
         signal.set_wakeup_fd(-1)
         self.sel.close()
-        for sock in (self.ctl, self.wake_r, self.wake_w, status, *self.workers.values()):
+        for sock in (self.ctl, self.wake_r, self.wake_w, *self.notes, *self.workers.values()):
             sock.close()
+        if status is not None:
+            status.close()
         if self.learner is not None:
             os.close(self.learner.pipe_r)
 
     def _reap(self, workers_only: bool = False) -> None:
+        _STANDIN.take_notes(self.notes[0], self.workers)  # first: every child reaped is known
         if workers_only:
             for pid in list(self.workers):
                 try:
@@ -261,69 +295,6 @@ def _enter_worker(job: dict[str, Any]) -> None:
                                  for c in range(int(lo), int(hi or lo) + 1)})
 
 
-def _run_warm(job: dict[str, Any]) -> None:
-    """Runs the script or module as ``__main__`` in the process state of a fresh ``python -u
-    script.py`` / ``python -u -m mod`` (path, argv, environment, random seeds), then ends the
-    process as its interpreter would: never returns."""
-    os.environ.clear()
-    os.environ.update(job["env"])
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))  # OpenMP read the variable when torch was loaded
-    _FRESH.reseed(torch)
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    argv = list(job["argv"])
-    module = job["kind"] == "module"
-    _FRESH.set_title([sys.executable, "-u", *(["-m"] if module else []), *argv])
-    sys.argv = argv
-    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
-    sys.path[:] = _FRESH.fresh_path(job["path"], job["pythonpath"], first)
-    os.environ["ELASTICSTORE_FORKED_AT"] = repr(job["forked_at"])
-    if job.get("imports") is not None:  # tells the fork server what this worker imports
-        sys.meta_path.insert(0, _REPORT.ImportReporter(job["imports"]))
-    main_module = types.ModuleType("__main__")  # as the interpreter creates it
-    main_module.__dict__.update(__annotations__={}, __builtins__=builtins)
-    sys.modules["__main__"] = main_module  # the script's globals live until the process ends
-    code = 0
-    try:
-        if module:
-            import runpy
-
-            runpy._run_module_as_main(argv[0], alter_argv=True)  # type: ignore[attr-defined]
-        else:
-            _run_script(main_module, os.path.abspath(argv[0]))
-    except SystemExit as exc:
-        code = _FRESH.exit_code(exc)
-    except BaseException as exc:  # reported as the interpreter reports it
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == _run_warm.__code__.co_filename:
-            tb = tb.tb_next  # the traceback starts where a fresh interpreter's starts
-        exc.__traceback__ = tb
-        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
-        sys.excepthook(type(exc), exc, tb)
-        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-    _FRESH.finalize(code)
-
-
-def _run_script(main_module: types.ModuleType, path: str) -> None:
-    """``python path``: the file's code in ``__main__`` (a directory or zip: runpy's way)."""
-    import importlib.machinery
-
-    if not os.path.isfile(path) or path.endswith((".zip", ".pyz")):
-        import runpy
-
-        runpy.run_path(path, run_name="__main__")
-        return
-    with io.open_code(path) as f:
-        source = f.read()
-    code = compile(source, path, "exec", dont_inherit=True)
-    main_module.__dict__.update(
-        __file__=path, __cached__=None, __package__=None, __spec__=None,
-        __loader__=importlib.machinery.SourceFileLoader("__main__", path))
-    exec(code, main_module.__dict__)
-
-
 def _exec(job: dict[str, Any]) -> None:
     argv = job["argv"]
     try:
@@ -357,13 +328,15 @@ def _sibling(stem: str) -> Any:
 
 
 _FRESH: Any = None  # freshstate.py
+_STANDIN: Any = None  # standin.py
+_WARM: Any = None  # warmrun.py
 _PRELOAD: Any = None  # preload.py, when the workers' imports are preloaded
 _REPORT: Any = None  # importreport.py, then
 
 
 def main() -> dict[str, Any] | None:
-    global _FRESH, _PRELOAD, _REPORT
-    _FRESH = _sibling("freshstate")
+    global _FRESH, _PRELOAD, _REPORT, _STANDIN, _WARM
+    _FRESH, _STANDIN, _WARM = _sibling("freshstate"), _sibling("standin"), _sibling("warmrun")
     mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     del sys.path[0]  # this file's directory: never on a worker's path
@@ -398,4 +371,4 @@ def main() -> dict[str, Any] | None:
 if __name__ == "__main__":
     _job = main()
     if _job is not None:
-        _run_warm(_job)
+        _WARM.run(_job, _FRESH, _REPORT)

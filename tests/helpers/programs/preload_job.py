@@ -5,7 +5,8 @@ imported when it started (the fork server preloaded them) and how long importing
 ImportError is expected and ignored), writes ``preload-<attempt>-<rank>.json`` to D, then rank 0
 exits 1 in attempt 0 (a restart). ``--await-server-import NAME``: rank 0 of attempt 0 first waits
 until ``D/imports.log`` (where the test's packages write ``name pid ppid`` when imported) shows
-NAME imported by its parent, the fork server (the fork server preloaded it).
+NAME imported by its parent, the fork server, and the fork server is done importing (no copy of
+it, its stand-in or a probe, is among its children).
 """
 
 import argparse
@@ -15,6 +16,24 @@ import sys
 import time
 
 _AT_START = set(sys.modules)
+
+
+def importing(server: int) -> bool:
+    """Whether the fork server is in its idle imports: a copy of it (same command line) is among
+    its children (the stand-in that serves meanwhile, or a probe); this worker is not one."""
+    def cmdline(pid: object) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    title = cmdline(server)
+    for task in os.listdir(f"/proc/{server}/task"):
+        with open(f"/proc/{server}/task/{task}/children") as f:
+            if any(int(p) != os.getpid() and cmdline(p) == title for p in f.read().split()):
+                return True
+    return False
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
@@ -47,5 +66,7 @@ if attempt == "0" and rank == "0":
                 with open(log) as f:
                     if any(line.startswith(wanted) for line in f):
                         break
+            time.sleep(0.05)
+        while time.monotonic() < deadline and importing(os.getppid()):
             time.sleep(0.05)
     sys.exit(1)
