@@ -15,8 +15,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "elasticstore"
 STORES = PACKAGE / "stores"
 # The commands: nothing imports them but their entry points (and __init__.py, init_method's
-# scheme; launch.py runs run.py, which parses runflags.py's flags).
-COMMANDS = ("run", "runflags", "launch", "cli", "init_method")
+# scheme; launch.py runs run.py, which parses runflags.py's flags). The Python launch API
+# (launcher/: torch's elastic_launch, which parses its config as run.py's flags) and the
+# schedulers' input layer (schedulers/: Slurm's environment read into run.py's flags) are
+# commands too.
+COMMANDS = ("run", "runflags", "launch", "cli", "init_method", "launcher", "schedulers")
 # The old top-level paths, kept for users' imports: the package itself imports the current ones.
 OLD_PATHS = ("store", "etcd_store", "server", "server_limits", "prefix_store", "call_stats", "_conf")
 # What each layer (a package under elasticstore/) must not import, by its first name under
@@ -196,7 +199,8 @@ def test_nothing_imports_a_command_or_an_old_path() -> None:
                 if command or name in OLD_PATHS:
                     bad.append(f"{path.relative_to(PACKAGE)}:{line}: {target}")
     assert not bad, "commands imported from below them, or old paths imported:\n" + "\n".join(bad)
-    assert all((PACKAGE / f"{name}.py").is_file() for name in (*COMMANDS, *OLD_PATHS))
+    assert all((PACKAGE / f"{name}.py").is_file() or (PACKAGE / name / "__init__.py").is_file()
+               for name in (*COMMANDS, *OLD_PATHS))
 
 
 def test_the_agent_takes_only_data_from_the_rendezvous_and_train() -> None:
