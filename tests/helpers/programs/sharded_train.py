@@ -2,8 +2,8 @@
 (gloo, env://; under elasticstore-run or started by the test with RANK/WORLD_SIZE/LOCAL_RANK).
 
 ``--mode fsdp``: a model sharded with FSDP2 (``fully_shard`` on a CPU mesh); ``snapshot`` of its
-state dict (DTensors) must raise ``ShardedStateError``; then the full state dict (every rank the
-same) is snapshotted, restored and loaded back. ``--mode take``: per-rank state
+state dict (DTensors) is taken as sharded state (each rank its shards); then the full state dict
+(every rank the same) is snapshotted, restored without a template and loaded back. ``--mode take``: per-rank state
 (``replicated=False``) snapshotted at steps 1..3, then restored. ``--mode restore``: restored.
 Each rank writes ``<mode>-<rank>.json`` in ``--dir``.
 """
@@ -48,7 +48,7 @@ def main() -> None:
                 record["sharded"] = "accepted"
             except Exception as err:  # noqa: BLE001 - recorded for the test
                 record["sharded"] = f"{type(err).__name__}: {err}"
-            record["area_after_refusal"] = sorted(os.listdir(snap_dir)) if snap_dir else None
+            record["area_after_sharded"] = sorted(os.listdir(snap_dir)) if snap_dir else None
             full_sd: Any = get_model_state_dict(model, options=full)
             want = {k: v.clone() for k, v in full_sd.items()}
             snaps.snapshot({"model": want, "step": 2}, 2)

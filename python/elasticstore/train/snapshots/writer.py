@@ -46,6 +46,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .disk import DiskWriter
+from ..sharded import sharded_path
 from .errors import ShardedStateError, SnapshotSpaceError
 from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
                          stale_tmp_files, tmp_name, write_skipped)
@@ -158,14 +159,17 @@ class Snapshots:
         if self._rank is None:
             self._rank = this_rank()
         rank, world = self._rank
-        if not self._sharded:
+        # the last state held DTensors: look first (a state without them is taken as it is)
+        sharded = self._sharded and sharded_path(value) is not None
+        if not sharded:
             try:
                 enc = prepare(value, Identity(step, rank, world, self.replicated).to_dict())
             except ShardedStateError:
                 if _has_sharded_tensor(value):
                     raise
-                self._sharded = True
-        if self._sharded:
+                sharded = True
+        self._sharded = sharded
+        if sharded:
             enc = prepare(to_payload(value), Identity(step, rank, world, False, True).to_dict())
         try:
             buf = self._write(enc, step)
