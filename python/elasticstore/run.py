@@ -23,7 +23,6 @@ import argparse
 import functools
 import logging
 import os
-import signal
 import socket
 import sys
 import uuid
@@ -31,13 +30,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .agent.config import AgentSettings, parse_timeout
+from .agent.config import AgentSettings
 from .agent.healthflags import health_settings
 from .agent.logs import parse_std
 from . import schedulers
 from .rendezvous import registry
-from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint, parse_pairs
-from .runflags import NUMA_MODES, UNSUPPORTED, UsageError, parser
+from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint
+from .runflags import UNSUPPORTED, UsageError, parser
+from .runvalues import (comma_list, int_value, log_level, nnodes_value, nproc_value,
+                        numa_value, rdzv_conf_value, signals_value, timeout_value,
+                        virtual_local_rank)
 
 __all__ = ["RunSettings", "UsageError", "main", "main_exit", "parse", "parser"]
 
@@ -65,73 +67,6 @@ class RunSettings:
         return registry.backend(self.backend)
 
 
-def _int(flag: str, text: str, low: int = 0) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise UsageError(flag, f"{text!r} is not an integer") from None
-    if value < low:
-        raise UsageError(flag, f"{value} must be at least {low}")
-    return value
-
-
-def _timeout(flag: str, text: str) -> float | None:
-    try:
-        return parse_timeout(str(text))
-    except ValueError:
-        raise UsageError(flag, f"{text!r}: expected a positive number of seconds (0: off)") from None
-
-
-def _nnodes(text: str) -> tuple[int, int]:
-    lo, _, hi = str(text).partition(":")
-    a = _int("--nnodes", lo, 1)
-    b = _int("--nnodes", hi, 1) if hi else a
-    if b < a:
-        raise UsageError("--nnodes", f"{text!r}: MAX below MIN")
-    return a, b
-
-
-def _nproc(text: str) -> int:
-    """torchrun's ``--nproc-per-node``: N, ``cpu``, ``gpu`` (CUDA), ``xpu``, the name of torch's
-    custom (PrivateUse1) device, or ``auto`` (``torch.accelerator``'s devices, else the CPUs)."""
-    text = str(text).strip()
-    if text.isdigit():
-        return _int("--nproc-per-node", text, 1)
-    if text == "cpu":
-        return _cpu_count()
-    import torch
-
-    if text in ("gpu", "xpu"):
-        mod = torch.cuda if text == "gpu" else torch.xpu
-        if not mod.is_available():
-            raise UsageError("--nproc-per-node", f"{text}: {'CUDA' if text == 'gpu' else 'XPU'} "
-                             "is not available")
-        return int(mod.device_count())
-    if text == "auto":
-        if torch.accelerator.is_available():
-            return int(torch.accelerator.device_count())
-        return _cpu_count()
-    custom = torch._C._get_privateuse1_backend_name()
-    if text == custom:
-        device: Any = getattr(torch, custom, None)
-        if device is None or not device.is_available():
-            raise UsageError("--nproc-per-node", f"{text}: the device is not available")
-        return int(device.device_count())
-    raise UsageError("--nproc-per-node", f"{text!r}: expected N, auto, cpu, gpu, xpu or {custom}")
-
-
-def _cpu_count() -> int:
-    """torch's count for ``cpu``: the CPUs this process may run on."""
-    return len(os.sched_getaffinity(0))
-
-
-def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    try:
-        return parse_pairs(text)
-    except ValueError as exc:
-        raise UsageError("--rdzv-conf", str(exc)) from None
-
-
 def _rendezvous(row: registry.Backend, run_id: str, endpoint: str, min_nodes: int,
                 max_nodes: int, local_addr: str | None,
                 conf: tuple[tuple[str, str], ...]) -> RendezvousSettings:
@@ -145,16 +80,6 @@ def _rendezvous(row: registry.Backend, run_id: str, endpoint: str, min_nodes: in
         for prefix in ("rdzv-conf: ", "rdzv-conf ", "rdzv endpoint "):
             reason = reason.removeprefix(prefix)
         raise UsageError(exc.flag, reason) from None
-
-
-def _signals(text: str) -> tuple[int, ...]:
-    out = []
-    for name in filter(None, (n.strip() for n in str(text).split(","))):
-        try:
-            out.append(int(signal.Signals[name]))
-        except KeyError:
-            raise UsageError("--signals-to-handle", f"{name!r} is not a signal name") from None
-    return tuple(out)
 
 
 def _free_port(host: str) -> int:
@@ -191,45 +116,6 @@ def _refused(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
             raise UsageError(flag, f"not supported by elasticstore-run{given}: {reason}")
 
 
-def _comma_list(text: str) -> tuple[str, ...]:
-    """torchrun's ``comma_separated_list``: ``a,b`` -> (a, b); ``,,`` is a comma in an item."""
-    return tuple(item.replace("\0", ",") for item in str(text).replace(",,", "\0").split(","))
-
-
-def _virtual_local_rank(args: argparse.Namespace, environ: Mapping[str, str], nproc: int) -> bool:
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if args.virtual_local_rank and visible is not None and nproc > len(visible.split(",")):
-        raise UsageError("--virtual-local-rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES="
-                         f"{visible} lists {len(visible.split(','))} device(s): each worker "
-                         "sees the device of its local rank")
-    return bool(args.virtual_local_rank)
-
-
-def _numa(mode: str | None, nproc: int) -> tuple[frozenset[int], ...] | None:
-    """``--numa-binding``: every local rank's CPUs, placed before anything starts."""
-    if mode is None:
-        return None
-    if mode not in NUMA_MODES:
-        raise UsageError("--numa-binding", f"{mode!r}: expected one of {', '.join(NUMA_MODES)}")
-    from .agent.numa import bindings
-
-    try:
-        return bindings(mode, nproc)
-    except (RuntimeError, OSError) as exc:
-        raise UsageError("--numa-binding", f"{mode}: {exc}") from None
-
-
-def _log_level(environ: Mapping[str, str]) -> int | None:
-    """torchrun's ``LOGLEVEL`` (a level name): also the level of elasticstore's own loggers."""
-    text = environ.get("LOGLEVEL")
-    if not text:
-        return None
-    level = logging.getLevelName(text.strip().upper())
-    if not isinstance(level, int):
-        raise UsageError("LOGLEVEL", f"{text!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    return level
-
-
 def _show_logs(level: int, prog: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[{prog}] %(levelname)s %(name)s: %(message)s"))
@@ -244,7 +130,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     args, taken = schedulers.parse_args(parser(environ, legacy=legacy), argv, environ)
     _refused(args, environ)
     notices: list[str] = taken  # what a scheduler's environment gave (schedulers/)
-    min_nodes, max_nodes = _nnodes(args.nnodes)
+    min_nodes, max_nodes = nnodes_value(args.nnodes)
     backend_arg = _default_backend(args, min_nodes, max_nodes)
     try:
         row = registry.backend(backend_arg)
@@ -257,18 +143,18 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         raise UsageError("--event-log-handler", f"{event_log_handler!r}: expected one of torch's "
                          "null, console, dynamic_rendezvous (torch's events for it also go to "
                          "<log-dir>/<run_id>/events.jsonl)")
-    metrics_port = _int("--metrics-port", args.metrics_port, 0) if args.metrics_port is not None else None
+    metrics_port = int_value("--metrics-port", args.metrics_port, 0) if args.metrics_port is not None else None
     if metrics_port is not None and metrics_port > 65535:
         raise UsageError("--metrics-port", f"{metrics_port} is not a port number")
     if args.start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError("--start-method", f"{args.start_method!r}: expected spawn, fork or forkserver")
     backend = row.label
-    nproc = _nproc(args.nproc_per_node)
-    conf = _rdzv_conf(args.rdzv_conf)
+    nproc = nproc_value(args.nproc_per_node)
+    conf = rdzv_conf_value(args.rdzv_conf)
     endpoint, run_id = str(args.rdzv_endpoint), str(args.rdzv_id)
     local_addr = args.local_addr
-    master_port = _int("--master-port", args.master_port, 1) if args.master_port is not None else 29500
-    node_rank = _int("--node-rank", args.node_rank) if args.node_rank is not None else 0
+    master_port = int_value("--master-port", args.master_port, 1) if args.master_port is not None else 29500
+    node_rank = int_value("--node-rank", args.node_rank) if args.node_rank is not None else 0
     if args.standalone or (backend == "elasticstore" and not endpoint and max_nodes == 1):
         if max_nodes != 1 and args.standalone:
             raise UsageError("--standalone", f"needs --nnodes 1, got {args.nnodes}")
@@ -310,7 +196,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         raise UsageError("--monitor-interval", f"{args.monitor_interval!r} is not a positive number") from None
     ranks_filter = None
     if args.local_ranks_filter:
-        ranks_filter = frozenset(_int("--local-ranks-filter", r) for r in str(args.local_ranks_filter).split(","))
+        ranks_filter = frozenset(int_value("--local-ranks-filter", r) for r in str(args.local_ranks_filter).split(","))
     try:
         redirects = parse_std("--redirects", str(args.redirects), nproc)
         tee = parse_std("--tee", str(args.tee), nproc)
@@ -336,25 +222,25 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         run_id=run_id, host=local_addr or socket.gethostname(), kind=kind,
         warm=warm, python=python,
         preload_imports=not args.no_preload_imports, role=str(args.role),
-        max_restarts=_int("--max-restarts", args.max_restarts), monitor_interval=monitor,
-        shutdown_timeout=float(_int("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
+        max_restarts=int_value("--max-restarts", args.max_restarts), monitor_interval=monitor,
+        shutdown_timeout=float(int_value("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, log_layout=str(args.log_layout),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
-        signals=_signals(args.signals_to_handle), extra_env=tuple(extra_env),
+        signals=signals_value(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,
         event_log_handler=event_log_handler, metrics_port=metrics_port,
         metrics_addr=str(args.metrics_addr), token_file=rdzv.token_file,
-        heartbeat_timeout=_timeout("--heartbeat-timeout", args.heartbeat_timeout),
-        first_heartbeat_timeout=_timeout("--first-heartbeat-timeout", args.first_heartbeat_timeout),
+        heartbeat_timeout=timeout_value("--heartbeat-timeout", args.heartbeat_timeout),
+        first_heartbeat_timeout=timeout_value("--first-heartbeat-timeout", args.first_heartbeat_timeout),
         health=health_settings(args, UsageError, rdzv.join_timeout),
-        virtual_local_rank=_virtual_local_rank(args, environ, nproc),
-        cpu_affinity=_numa(args.numa_binding, nproc),
-        duplicate_filters={stream: _comma_list(value) for stream, value in (
+        virtual_local_rank=virtual_local_rank(args, environ, nproc),
+        cpu_affinity=numa_value(args.numa_binding, nproc),
+        duplicate_filters={stream: comma_list(value) for stream, value in (
             ("stdout", args.duplicate_stdout_filters), ("stderr", args.duplicate_stderr_filters))
             if value is not None},
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
-                       tuple(notices), rdzv, _log_level(environ))
+                       tuple(notices), rdzv, log_level(environ))
 
 
 def make_handler(rs: RunSettings) -> Any:

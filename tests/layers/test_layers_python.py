@@ -19,7 +19,7 @@ STORES = PACKAGE / "stores"
 # (launcher/: torch's elastic_launch, which parses its config as run.py's flags) and the
 # schedulers' input layer (schedulers/: Slurm's environment read into run.py's flags) are
 # commands too.
-COMMANDS = ("run", "runflags", "launch", "cli", "init_method", "launcher", "schedulers")
+COMMANDS = ("run", "runflags", "runvalues", "launch", "cli", "init_method", "launcher", "schedulers")
 # The old top-level paths, kept for users' imports: the package itself imports the current ones.
 OLD_PATHS = ("store", "etcd_store", "server", "server_limits", "prefix_store", "call_stats", "_conf")
 # What each layer (a package under elasticstore/) must not import, by its first name under
