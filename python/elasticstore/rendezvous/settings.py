@@ -25,23 +25,7 @@ token_file           (env)     native/static: file holding the shared token; the
 timeout              (ignored) torchrun always adds it (900); ``join_timeout`` is the one used
 ==================== ========= ================================================================
 
-torch's own keys, so a torchrun command line runs unchanged:
-
-====================== ====================================================================
-torch's key            here
-====================== ====================================================================
-read_timeout           c10d/etcd-v2: ``store_timeout`` (seconds one store operation may take)
-keep_alive_interval    c10d: with ``keep_alive_max_attempt`` (torch's defaults 5 and 3), a
-keep_alive_max_attempt node silent for interval x attempts is lost: ``lease_ttl`` = their product
-heartbeat_timeout      c10d: accepted with a notice (a keep-alive here is one store write)
-store_type             c10d: ``tcp`` accepted with a notice (the native store serves the
-                       rendezvous); ``file`` refused (no rendezvous on a FileStore)
-ssl_cert / ssl_cert_key etcd-v2: ``cert`` / ``key`` (the client certificate and its key)
-====================== ====================================================================
-
-A key given twice under both names (``read_timeout`` and ``store_timeout``, ``keep_alive_*`` and
-``lease_ttl``, ``ssl_cert`` and ``cert``) with different values is refused. The notices are in
-``RendezvousSettings.notices`` (the launcher prints them; the torchrun plugin path logs them).
+torch's own keys (``read_timeout``, ``keep_alive_*``, ``ssl_cert``, ...): ``torch_conf.py``.
 
 ``--rdzv-endpoint host:0`` (torch's ``localhost:0``: any free port) is taken for one node on a
 backend whose agent hosts the store: a free port of ``host`` is chosen and this node hosts the
@@ -57,7 +41,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 import os
 import socket
 from collections.abc import Mapping
@@ -66,6 +49,8 @@ from functools import cached_property
 from typing import Any
 
 from ..stores.native.token import read_token_file
+from .conf_values import SettingsError, bool_value, seconds_value
+from .torch_conf import TORCH_KEYS, torch_keys
 
 __all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host", "parse_endpoint",
            "parse_pairs", "settings_from_params", "unquote_config"]
@@ -73,26 +58,11 @@ __all__ = ["DEFAULT_PORT", "RendezvousSettings", "SettingsError", "numeric_host"
 DEFAULT_PORT = 29400
 log = logging.getLogger(__name__)
 
-_TRUE = {"1", "true", "t", "yes", "y"}
-_FALSE = {"0", "false", "f", "no", "n"}
 _SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "store_timeout", "lease_ttl")
 _STRINGS = ("etcd_prefix", "cacert", "cert", "key", "user", "password", "protocol")
-# torch's keys taken under another name here: torch's name -> ours
-_TORCH_ALIASES = {"read_timeout": "store_timeout", "ssl_cert": "cert", "ssl_cert_key": "key",
-                  "ca_cert": "cacert"}
-_TORCH_KEEP_ALIVE = {"keep_alive_interval": 5, "keep_alive_max_attempt": 3}  # torch's defaults
-_KNOWN = {*_SECONDS, *_STRINGS, *_TORCH_ALIASES, *_TORCH_KEEP_ALIVE, "is_host", "failover", "rank",
-          "timeout", "token_file", "heartbeat_timeout", "store_type"}
+_KNOWN = {*_SECONDS, *_STRINGS, *TORCH_KEYS, "is_host", "failover", "rank", "timeout",
+          "token_file"}
 _QUOTES = ("'", '"')
-
-
-class SettingsError(ValueError):
-    """A bad rendezvous setting; ``flag`` names the launcher's flag it came from
-    (``--rdzv-conf``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--nnodes``)."""
-
-    def __init__(self, message: str, flag: str = "--rdzv-conf") -> None:
-        super().__init__(message)
-        self.flag = flag
 
 
 def _unwrap(text: str) -> str:
@@ -157,27 +127,6 @@ def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT,
     return host, int(port_text)
 
 
-def _seconds(key: str, value: Any) -> float:
-    try:
-        secs = float(value)
-    except (TypeError, ValueError):
-        raise SettingsError(f"rdzv-conf {key}={value!r}: not a number of seconds") from None
-    if not math.isfinite(secs) or secs <= 0:
-        raise SettingsError(f"rdzv-conf {key}={value!r}: must be a positive number of seconds")
-    return secs
-
-
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise SettingsError(f"rdzv-conf {key}={value!r}: not a boolean (true/false, 1/0, yes/no)")
-
-
 def _token_file(value: Any) -> tuple[str, str]:
     """(absolute path, token) of ``token_file``; refuses a missing, unreadable or empty file."""
     if not isinstance(value, str) or not value.strip():
@@ -201,54 +150,6 @@ def _free_port(host: str) -> int:
     except OSError as exc:
         raise SettingsError(f"rdzv endpoint {host}:0: no free port there ({exc})",
                             "--rdzv-endpoint") from None
-
-
-def _same(config: dict[str, Any], ours: str, theirs: str, value: Any) -> None:
-    if ours in config and str(config[ours]).strip() != str(value).strip():
-        raise SettingsError(f"rdzv-conf {theirs}={value!r} and {ours}={config[ours]!r}: the same "
-                            "setting twice with different values; give one")
-
-
-def _torch_keys(config: Mapping[str, Any], notices: list[str]) -> dict[str, Any]:
-    """``config`` with torch's keys under our names (see the module doc); ``notices`` gets a
-    line for each key that means nothing here."""
-    out = dict(config)
-    for theirs, ours in _TORCH_ALIASES.items():
-        if theirs in out:
-            value = out.pop(theirs)
-            _same(out, ours, theirs, value)
-            out[ours] = value
-    given = {k: out.pop(k) for k in _TORCH_KEEP_ALIVE if k in out}
-    if given:
-        interval = _seconds("keep_alive_interval", given.get("keep_alive_interval",
-                                                             _TORCH_KEEP_ALIVE["keep_alive_interval"]))
-        attempts = given.get("keep_alive_max_attempt", _TORCH_KEEP_ALIVE["keep_alive_max_attempt"])
-        try:
-            count = int(str(attempts).strip())
-        except ValueError:
-            count = 0
-        if count < 1:
-            raise SettingsError(f"rdzv-conf keep_alive_max_attempt={attempts!r}: must be a "
-                                "positive integer")
-        ttl = interval * count
-        if "lease_ttl" in out and _seconds("lease_ttl", out["lease_ttl"]) != ttl:
-            raise SettingsError(f"rdzv-conf keep_alive_interval x keep_alive_max_attempt = {ttl:g}s "
-                                f"and lease_ttl={out['lease_ttl']!r}: the same setting twice; give one")
-        out["lease_ttl"] = ttl
-    if "heartbeat_timeout" in out:
-        _seconds("heartbeat_timeout", out.pop("heartbeat_timeout"))
-        notices.append("--rdzv-conf heartbeat_timeout: ignored (a keep-alive here is one store "
-                       "write, bounded by store_timeout)")
-    if "store_type" in out:
-        kind = str(out.pop("store_type")).strip().lower()
-        if kind == "file":
-            raise SettingsError("rdzv-conf store_type=file: a rendezvous on a FileStore is not "
-                                "supported; drop the key (the native store) or use etcd")
-        if kind != "tcp":
-            raise SettingsError(f"rdzv-conf store_type={kind!r}: expected tcp or file (torch's)")
-        notices.append("--rdzv-conf store_type=tcp: the rendezvous runs on elasticstore's "
-                       "native store")
-    return out
 
 
 @dataclass(frozen=True)
@@ -352,11 +253,11 @@ class RendezvousSettings:
                 f"(known: {', '.join(sorted(_KNOWN))})"
             )
         notices: list[str] = []
-        config = _torch_keys(config, notices)
+        config = torch_keys(config, notices)
         kwargs: dict[str, Any] = {}
         for key in _SECONDS:
             if key in config:
-                kwargs[key] = _seconds(key, config[key])
+                kwargs[key] = seconds_value(key, config[key])
         for key in _STRINGS:
             value = config.get(key)
             if value is None:
@@ -365,9 +266,9 @@ class RendezvousSettings:
                 raise SettingsError(f"rdzv-conf {key}={value!r}: must be a non-empty string")
             kwargs[key] = value
         if "is_host" in config:
-            kwargs["is_host"] = _bool("is_host", config["is_host"])
+            kwargs["is_host"] = bool_value("is_host", config["is_host"])
         if "failover" in config:
-            kwargs["failover"] = _bool("failover", config["failover"])
+            kwargs["failover"] = bool_value("failover", config["failover"])
         if "rank" in config and config["rank"] is not None:
             try:
                 kwargs["rank"] = int(config["rank"])
@@ -376,7 +277,7 @@ class RendezvousSettings:
         if config.get("token_file") is not None:
             kwargs["token_file"], kwargs["token"] = _token_file(config["token_file"])
         if "timeout" in config:  # torchrun's; checked, not used (join_timeout is)
-            _seconds("timeout", config["timeout"])
+            seconds_value("timeout", config["timeout"])
         members = tuple(e.strip() for e in endpoint.split(",")) if several else (endpoint,)
         host, port = parse_endpoint(members[0], default_port, any_port=any_port)
         if port == 0:  # torch's localhost:0: one node, which hosts the store on a free port
