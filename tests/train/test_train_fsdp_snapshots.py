@@ -159,3 +159,30 @@ def test_worker_killed_resumes_from_memory_bit_identical(tmp_path: Path) -> None
     assert got["step"] == 3 and set(got["sources"]) <= {"memory", "peer"}, got
     assert_same(state, torch.load(os.path.join(workdir, "full-3.pt"), weights_only=False))
     assert os.listdir(root) == []
+
+
+def test_sharded_snapshot_in_one_process(tmp_path: Path) -> None:
+    """A DTensor state on a one-rank gloo mesh: restore() without a template refuses on the
+    sharded snapshot, saying what to do; with a template it loads into it, from memory."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from elasticstore.train import SnapshotSettings, Snapshots
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+        with Snapshots(settings=SnapshotSettings(str(tmp_path), 0)) as snaps:
+            snaps.snapshot({"model": {"w": w}, "note": "n", "steps": torch.tensor(7)}, 4)
+            with pytest.raises(SnapshotMismatchError, match=r"restore\(template="):
+                snaps.restore()
+            template = {"model": {"w": distribute_tensor(torch.zeros(3, 2), mesh, [Shard(0)])},
+                        "note": "", "steps": torch.tensor(0)}
+            got = snaps.restore(template=template)
+        assert got is not None and (got.step, got.source) == (4, "memory")
+        assert torch.equal(template["model"]["w"].full_tensor(), w.full_tensor())
+        assert template["note"] == "n" and int(template["steps"]) == 7
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ has.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import re
@@ -28,6 +29,7 @@ from .shards import build_metadata, key_of
 
 __all__ = ["write_shard"]
 
+log = logging.getLogger("elasticstore.train.snapshots")
 _TMP = re.compile(r"^\.dcp-step-(\d{12,})\.tmp$")
 
 
@@ -70,7 +72,22 @@ def _dump(path: str, obj: Any) -> None:
 def write_shard(directory: str, step: int, rank: int, world: int, items: list[WriteItem],
                 data: list[Any], keep: int) -> str | None:
     """Writes ``rank``'s shard of ``step``; completes the checkpoint when it is the last part.
-    Returns the complete checkpoint's path when this call completed it."""
+    Returns the complete checkpoint's path when this call completed it. A step whose directory
+    was removed meanwhile (a newer checkpoint completed: this rank lagged) is given up."""
+    try:
+        return _write_shard(directory, step, rank, world, items, data, keep)
+    except OSError:
+        newer = [n for n in os.listdir(directory)
+                 if re.fullmatch(r"dcp-step-\d{12,}", n) and int(n.split("-")[-1]) > step]
+        if newer:
+            log.warning("disk checkpoint of step %d given up: a newer one (%s) completed while "
+                        "rank %d wrote it", step, max(newer), rank)
+            return None
+        raise
+
+
+def _write_shard(directory: str, step: int, rank: int, world: int, items: list[WriteItem],
+                 data: list[Any], keep: int) -> str | None:
     final = os.path.join(directory, f"dcp-step-{step:012d}")
     tmp = os.path.join(directory, f".dcp-step-{step:012d}.tmp")
     if os.path.exists(final):

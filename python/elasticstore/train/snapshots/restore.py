@@ -12,6 +12,8 @@ that is the rank's own.
    from another rank: when any rank lacks its own, every rank raises ``SnapshotMismatchError``.
    For replicated state the reader broadcasts it (``broadcast_object_list``); when no rank could
    read ``M`` after all, disk again.
+Sharded state (the newest step's snapshots hold DTensors) is restored with a template
+(``sharded_restore.py``): here every rank raises ``SnapshotMismatchError`` saying so.
 4. A disk checkpoint is checked too: one written from a snapshot carries its identity and must be
    replicated state; none may hold sharded tensors.
 """
@@ -81,9 +83,16 @@ def restore(directory: str | None, local_rank: int, checkpoint_dir: str | None,
     mem = list_snapshots(directory) if directory is not None else []
     disk = list_checkpoints(checkpoint_dir) if checkpoint_dir else []
     own_mem = mem[-1][0] if mem else -1
-    top_mem, top_disk = newest([own_mem, disk[-1][0] if disk else -1], group, dist.ReduceOp.MAX)
+    own_sharded = _newest_sharded(mem, own_mem)
+    top_mem, top_disk, top_sharded = newest([own_mem, disk[-1][0] if disk else -1, own_sharded],
+                                            group, dist.ReduceOp.MAX)
     if top_mem < 0 and top_disk < 0:
         return None
+    if top_sharded >= 0 and top_sharded == top_mem and top_mem >= top_disk:
+        raise SnapshotMismatchError(
+            f"the newest snapshot (step {top_mem}) holds sharded state (DTensors): restore it with "
+            "a template, snaps.restore(template=your_state_dict) (e.g. {'model': msd, 'optim': "
+            "osd} from get_state_dict), which loads it into the template, resharded")
     if top_disk > top_mem:
         return _disk(checkpoint_dir, group)
     rank, world = this_rank(group)
@@ -115,6 +124,19 @@ def restore(directory: str | None, local_rank: int, checkpoint_dir: str | None,
     ident, state = payload[0]
     check_identity(Identity.from_dict(ident), top_mem, rank, world, replicated)
     return Restored(top_mem, state, "peer", f"rank {src}")
+
+
+def _newest_sharded(mem: list[tuple[int, int, str]], step: int) -> int:
+    """``step`` when a snapshot of it on this node holds sharded state, else -1."""
+    for s, _, path in mem:
+        if s == step:
+            try:
+                ident = Identity.from_dict(read_snapshot(path, clone=False)[1])
+            except (OSError, ValueError, EOFError, RuntimeError):
+                continue
+            if ident.sharded:
+                return step
+    return -1
 
 
 def _disk(checkpoint_dir: str | None, group: dist.ProcessGroup | None) -> Restored | None:
