@@ -24,6 +24,35 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Parallel runs (pytest-xdist, ``scripts/test`` runs the suite with ``-n``/``--dist loadgroup``):
+# a test file's tests stay together on one worker (its module fixtures, e.g. an etcd cluster,
+# start once), and every test that builds network namespaces with ``netfaults.py`` (fixed
+# TEST-NET addresses per node index) runs on one worker, one at a time.
+NETNS_GROUP = "netns"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one worker")
+
+
+def _uses_netfaults(path: object, cache: dict[str, bool]) -> bool:
+    key = str(path)
+    if key not in cache:
+        try:
+            with open(key) as f:
+                cache[key] = "netfaults" in f.read()
+        except OSError:
+            cache[key] = False
+    return cache[key]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: dict[str, bool] = {}
+    for item in items:
+        isolated = "net" in getattr(item, "fixturenames", ()) or _uses_netfaults(item.path, seen)
+        item.add_marker(pytest.mark.xdist_group(NETNS_GROUP if isolated else str(item.path)))
+
+
 @pytest.fixture(params=KINDS, ids=[kind.name for kind in KINDS])
 def opened(request: pytest.FixtureRequest) -> Iterator[Opened]:
     """A fresh store of each kind (see ``store_kinds.KINDS``)."""
