@@ -1,6 +1,6 @@
 """Sharded tensors (``DTensor``, ``ShardedTensor``) in a state: found, and refused where one copy
-would be handed to every rank (snapshots, ``save_checkpoint``, ``load_checkpoint_from_any_rank``).
-Until sharded snapshots exist, sharded state goes to ``torch.distributed.checkpoint``.
+would be handed to every rank (``save_checkpoint``, ``load_checkpoint_from_any_rank``, and in
+snapshots ``ShardedTensor``). ``Snapshots`` takes DTensors as sharded state (``snapshots/shards.py``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def refuse_sharded(state: Any, what: str, where: str | None = None) -> None:
         f"{what}: the state holds a sharded tensor (DTensor or ShardedTensor) at {where!r}, e.g. "
         "from FSDP2 (fully_shard) or get_state_dict. One copy serves every rank here, so a rank "
         "would get another rank's shard back: sharded state is refused (nothing was written). "
-        "Save sharded state with torch.distributed.checkpoint (dcp.save/dcp.load), or "
+        "Save sharded state with torch.distributed.checkpoint (dcp.save/dcp.load) or Snapshots "
+        "(DTensors: each rank keeps its shards, restore(template=...) reshards), or "
         "snapshot the full state dict, the same on every rank (get_state_dict(..., "
         "options=StateDictOptions(full_state_dict=True)), loaded back with set_state_dict and "
         "the same options)")
