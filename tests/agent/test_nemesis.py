@@ -17,25 +17,27 @@ import time
 import pytest
 from nemesis import JOIN_TIMEOUT, RECOVER, Job, episode
 
-pytestmark = pytest.mark.slow
+COUNT = int(os.environ.get("ELASTICSTORE_NEMESIS_SCHEDULES") or 20)
+# ~10-15 s a schedule here, two jobs side by side: the limit grows with the count.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180 + 12 * COUNT)]
 
 START = 120.0  # s: a job's first round trains
 END = JOIN_TIMEOUT + 60.0  # s: every agent left has exited after the release
 
 
 def _run_job_series(workdir: str, index: int, nodes: int, seed: str, count: int,
-                    report: list[str], failures: list[str]) -> None:
+                    report: list[str], failures: list[str], stop: threading.Event) -> None:
     try:
-        _series(workdir, index, nodes, seed, count, report, failures)
+        _series(workdir, index, nodes, seed, count, report, failures, stop)
     except Exception as exc:  # a thread's error reaches the test as a failure
         failures.append(f"job series {index}: {type(exc).__name__}: {exc}")
 
 
 def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
-            report: list[str], failures: list[str]) -> None:
+            report: list[str], failures: list[str], stop: threading.Event) -> None:
     rng = random.Random(f"{seed}/{index}")
     series, done = 0, 0
-    while done < count:
+    while done < count and not stop.is_set():
         job = Job(os.path.join(workdir, f"job{index}-{series}"), nodes, index, f"nemesis{index}s{series}")
         series += 1
         ended_early = False
@@ -44,7 +46,7 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
             if job.wait_training(0.0, START) is None:
                 failures.append(f"job {job.run_id}: no first round within {START:g}s")
                 return
-            while done < count:
+            while done < count and not stop.is_set():
                 faults = episode(rng, nodes, job.host())
                 done += 1
                 majority = job.keeps_majority(faults)
@@ -74,19 +76,25 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
 
 def test_nemesis_never_two_groups_and_recovers(tmp_path: object) -> None:
     seed = os.environ.get("ELASTICSTORE_NEMESIS_SEED") or str(random.randrange(1 << 32))
-    count = int(os.environ.get("ELASTICSTORE_NEMESIS_SCHEDULES") or 20)
+    count = COUNT
+    stop = threading.Event()  # set when the test ends early (a timeout): the series clean up
     print(f"nemesis seed {seed}, {count} schedules")
     report: list[str] = []
     failures: list[str] = []
     shares = [(0, 3, count - count // 2), (1, 4, count // 2)]
     threads = [threading.Thread(target=_run_job_series, args=(str(tmp_path), index, nodes, seed,
-                                                              share, report, failures))
+                                                              share, report, failures, stop))
                for index, nodes, share in shares if share > 0]
     start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
     print("\n".join(report))
     print(f"nemesis: {count} schedules in {time.monotonic() - start:.0f}s, "
           f"{len(failures)} violation(s)")
