@@ -8,6 +8,8 @@
   checkpoint instead: the full state (every DTensor's ``full_tensor()``) bit-identical.
 - Under elasticstore-run, 2 simulated nodes x 2 workers: a worker SIGKILLed after step 3 comes
   back, the group resumes from step 3 from memory at world size 4, bit-identical.
+- ``examples/train_fsdp.py``: resumed from memory after a failure, then by a new job at another
+  world size from its DCP checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from agent_nodes import agents, free_port, node_flags
-from paths import program
+from paths import ROOT, program
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -186,3 +188,35 @@ def test_sharded_snapshot_in_one_process(tmp_path: Path) -> None:
         assert template["note"] == "n" and int(template["steps"]) == 7
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~30-50 s on 2 shared cores
+@pytest.mark.timeout(300)
+def test_example_resumes_from_memory_then_a_new_job_from_disk(tmp_path: Path) -> None:
+    """examples/train_fsdp.py under elasticstore-run: a rank fails at step 10, the group resumes
+    from memory at step 10; then a new job of one process (no launcher) with the same checkpoint
+    directory resumes from the DCP checkpoint of step 15, resharded 2 -> 1."""
+    example = os.path.join(ROOT, "examples", "train_fsdp.py")
+    root = str(tmp_path / "shm")
+    os.mkdir(root)
+    ckpt = str(tmp_path / "ckpt")
+    args = ["--epochs", "1", "--dataset-size", "1024", "--checkpoint-dir", ckpt,
+            "--checkpoint-every", "5", "--log-every", "100"]
+    with agents(str(tmp_path)) as a:
+        job = a.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
+                      [*args, "--fail-at-step", "10", "--fail-rank", "1"], env={ROOT_ENV: root},
+                      script=example)
+        code = a.wait(job, 200)
+        out = a.output(job)
+    assert code == 0, out[-4000:]
+    assert "resumed from step 10 at world size 2, from memory" in out, out[-4000:]
+    # the newest 2 complete (step 10's may not be: the rank that failed may not have written it)
+    done = sorted(os.listdir(ckpt))
+    assert len(done) == 2 and done[-1] == "dcp-step-000000000015", done
+    second = subprocess.run([sys.executable, example, *args], capture_output=True, text=True,
+                            timeout=120, cwd=str(tmp_path),
+                            env={k: v for k, v in os.environ.items()
+                                 if k not in ("RANK", "WORLD_SIZE", "ELASTICSTORE_SNAPSHOT_DIR")})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 15 at world size 1, from disk" in second.stdout, second.stdout
+    assert os.listdir(root) == []
