@@ -5,7 +5,8 @@
 - 4 real ranks on two "nodes" (two snapshot directories) train an FSDP2 model (gloo), snapshot
   every step and write DCP disk checkpoints; then 3 ranks restore from memory (one chunk comes
   from a peer) and 2 ranks that hold only half of the newest step's shards restore the disk
-  checkpoint instead: the full state (every DTensor's ``full_tensor()``) bit-identical.
+  checkpoint instead; with the other node's files in its ``replicas/``, from memory again: the
+  full state (every DTensor's ``full_tensor()``) bit-identical.
 - Under elasticstore-run, 2 simulated nodes x 2 workers: a worker SIGKILLed after step 3 comes
   back, the group resumes from step 3 from memory at world size 4, bit-identical.
 - ``examples/train_fsdp.py``: resumed from memory after a failure, then by a new job at another
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +114,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[key] == value, key
 
 
-@pytest.mark.slow  # ~40-70 s on 2 shared cores (3 launches of 2-4 ranks)
+@pytest.mark.slow  # ~50-90 s on 2 shared cores (3 launches of 2-4 ranks)
 @pytest.mark.timeout(400)
 def test_resharded_from_memory_and_from_disk(tmp_path: Path) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -139,6 +141,20 @@ def test_resharded_from_memory_and_from_disk(tmp_path: Path) -> None:
     got, state = restored(two, 0, 2)
     assert got["step"] == 2 and got["sources"] == ["disk", "disk"], got
     assert_same(state, full[2])
+    # node b's step-3 files placed in node a's replicas/ (what a replica on another node gives):
+    # node a alone restores step 3 from memory, resharded 4 -> 2
+    os.mkdir(os.path.join(a, "replicas"))
+    for name in os.listdir(b):
+        if name.startswith("step-000000000003"):
+            shutil.copy(os.path.join(b, name), os.path.join(a, "replicas", name))
+    for name in os.listdir(a):
+        if name.startswith("step-") and not name.startswith("step-000000000003"):
+            os.unlink(os.path.join(a, name))  # what the run of 2 ranks above took
+    alone = str(tmp_path / "alone")
+    run_ranks(alone, [(a, 0), (a, 1)], "--steps", "3")
+    got, state = restored(alone, 0, 2)
+    assert got["step"] == 3 and got["sources"] == ["memory", "memory"], got
+    assert_same(state, full[3])
 
 
 @pytest.mark.slow  # ~20-40 s on 2 shared cores

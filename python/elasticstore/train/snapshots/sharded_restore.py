@@ -1,7 +1,8 @@
 """``Snapshots.restore(template=...)`` for sharded state: a collective that loads the newest step
 every rank can get INTO the template, resharded to this world size and layout by DCP's load.
 
-1. Each rank reads its node's sharded snapshots (mapped, not copied) and lists the complete DCP
+1. Each rank reads its node's sharded snapshots (mapped, not copied; its own and those of other
+   nodes placed in the area's ``replicas/``: a file's identity names its writer) and lists the complete DCP
    checkpoints of the checkpoint directory; one ``all_gather_object`` shares what each holds
    (step, writer rank, world size, write items).
 2. ``shards.restorable_step``: the newest step whose every writer rank's snapshot is held by some
@@ -37,8 +38,9 @@ from .reader import SnapshotReader
 from .restore import Restored
 from .shards import Key, build_metadata, is_payload, key_of, restorable_step
 
-__all__ = ["DCP_NAME", "list_dcp", "restore_sharded"]
+__all__ = ["DCP_NAME", "REPLICAS", "list_dcp", "restore_sharded"]
 
+REPLICAS = "replicas"  # other nodes' snapshot files placed in this node's area (same names)
 DCP_NAME = re.compile(r"^dcp-step-(\d{12,})$")
 
 
@@ -66,7 +68,9 @@ def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 def _read_area(directory: str | None) -> dict[tuple[int, int], tuple[int, list[Any], list[Any]]]:
     """(step, writer rank) -> (world size, write items, data) of this node's sharded snapshots."""
     found: dict[tuple[int, int], tuple[int, list[Any], list[Any]]] = {}
-    for step, _, path in list_snapshots(directory) if directory is not None else []:
+    files = [] if directory is None else \
+        list_snapshots(directory) + list_snapshots(os.path.join(directory, REPLICAS))
+    for step, _, path in files:
         try:
             got, ident_d, state = read_snapshot(path, clone=False)
             ident = Identity.from_dict(ident_d)
