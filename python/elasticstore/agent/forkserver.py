@@ -75,6 +75,7 @@ class _Server:
         self.notes = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # standin.py
         self.notes[0].setblocking(False)
         self.stand_in: Any = None  # serves the agent while this process imports
+        self.adopted = self.adopted_at = 0  # workers its stand-ins forked: all, at its start
 
     def serve(self) -> dict[str, Any] | None:
         """Serves until the agent goes; returns in a forked child with the job to run."""
@@ -138,7 +139,7 @@ class _Server:
             job = stand_in.fork(self.ctl, self._prepare)
             if job is not None:
                 return job
-        self.idle, self.stand_in = True, stand_in
+        self.idle, self.stand_in, self.adopted_at = True, stand_in, self.adopted
         try:
             if self.deferred:
                 _import(self.deferred.pop(0))
@@ -165,14 +166,16 @@ class _Server:
     def _busy(self) -> bool:
         """Asked during idle work: reports workers' exits at once (the agent reacts to a
         failure without waiting for a preload); True: the agent wants something (with a
-        stand-in: only when it is gone, as when the agent closed the socket)."""
+        stand-in: it forked a worker, or it is gone, as when the agent closed the socket): the
+        preload gives way after the import in progress (the rest waits for the next idle time)."""
         try:
             if self.wake_r.recv(512):
                 self._reap(workers_only=True)  # not a probe: it waits for its own child
         except BlockingIOError:
             pass
-        if self.stand_in is not None:
-            return not self.stand_in.alive()
+        if self.stand_in is not None:  # it forked a worker: the CPUs are the new round's
+            self.adopted += _STANDIN.take_notes(self.notes[0], self.workers)
+            return self.adopted > self.adopted_at or not self.stand_in.alive()
         return bool(select.select([self.ctl], [], [], 0)[0])
 
     def _fork(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
@@ -217,7 +220,7 @@ class _Server:
             os.close(self.learner.pipe_r)
 
     def _reap(self, workers_only: bool = False) -> None:
-        _STANDIN.take_notes(self.notes[0], self.workers)  # first: every child reaped is known
+        self.adopted += _STANDIN.take_notes(self.notes[0], self.workers)  # first: all known
         if workers_only:
             for pid in list(self.workers):
                 try:

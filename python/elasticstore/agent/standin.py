@@ -45,21 +45,23 @@ NOTHING_YET = {"preloaded": [], "refused": {}, "submodules": 0, "unavailable": 0
                "env_reads": {}, "seconds": 0.0, "tainted": None}
 
 
-def take_notes(notes: socket.socket, workers: dict[int, socket.socket]) -> None:
-    """In the fork server: registers the workers its stand-ins forked (pid -> status socket)."""
+def take_notes(notes: socket.socket, workers: dict[int, socket.socket]) -> int:
+    """In the fork server: registers the workers its stand-ins forked (pid -> status socket);
+    returns how many."""
     size = socket.CMSG_LEN(array.array("i").itemsize)
-    for _ in range(100_000):
+    for n in range(100_000):
         try:  # (socket.recv_fds drops its flags argument)
             msg, ancdata, _, _ = notes.recvmsg(64, size, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return
+            return n
         fds = array.array("i")
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
         if not msg or not fds:
-            return
+            return n
         workers[int(msg)] = socket.socket(fileno=fds[0])
+    return 100_000
 
 
 class StandIn:
