@@ -11,7 +11,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from .backend import StoreBackend
-from .settings import RendezvousSettings
+from .resolve import wait_for_name
+from .settings import RendezvousSettings, parse_endpoint
 
 if TYPE_CHECKING:  # at run time imported on first use (the elasticstore[etcd] extra)
     from ..stores.etcd import EtcdStore
@@ -44,6 +45,11 @@ def create_etcd_backend(settings: RendezvousSettings, endpoints: str | None = No
     from ..stores.etcd import EtcdStore  # noqa: F811 (the run-time import)
 
     endpoints = endpoints or ",".join(settings.endpoints) or settings.endpoint
+    # A member's DNS name may resolve late (a StatefulSet's pods start in any order): wait,
+    # until join_timeout, for one of them to resolve before the store's first connection.
+    members = [e.strip().split("://", 1)[-1].rstrip("/") for e in endpoints.split(",")]
+    wait_for_name([parse_endpoint(e)[0].strip("[]") for e in members if e],
+                  settings.join_timeout)
     timeout = timedelta(seconds=settings.store_timeout)
     store = EtcdStore(
         endpoints,

@@ -210,8 +210,12 @@ class RendezvousSettings:
 
     @cached_property
     def address(self) -> str:
-        """The endpoint's host as a numeric address, looked up once per settings."""
-        return numeric_host(self.host)
+        """The endpoint's host as a numeric address, looked up once per settings, when first
+        needed (connecting): a name that does not resolve yet (a Kubernetes Service starting) is
+        looked up again until ``join_timeout`` (``resolve.py``)."""
+        from .resolve import wait_for_name  # torch's error type: imported when connecting
+
+        return wait_for_name([self.host], self.join_timeout)[1]
 
     @cached_property
     def local_address(self) -> str | None:
