@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import Any
 
 import pytest
@@ -51,7 +52,8 @@ def operator_env(job: dict[str, Any]) -> dict[str, str]:
 
 def test_every_manifest_parses() -> None:
     kinds = sorted(d["kind"] for d in docs())
-    assert kinds == ["PyTorchJob", "PyTorchJob", "Service", "Service", "StatefulSet", "StatefulSet"]
+    assert kinds == ["ClusterTrainingRuntime", "PyTorchJob", "PyTorchJob", "Service", "Service",
+                     "StatefulSet", "StatefulSet", "TrainJob"]
 
 
 @pytest.mark.parametrize("job", by_kind("PyTorchJob"), ids=lambda j: j["metadata"]["name"])
@@ -103,3 +105,59 @@ def test_store_server_wiring() -> None:
     ms = cli._parser().parse_args(exporter["args"])
     assert ms.command == "metrics" and ms.addr == ("127.0.0.1", ns.port)
     assert targets["metrics"] == ms.metrics_port == exporter["ports"][0]["containerPort"]
+
+
+# Kubeflow Trainer v2's torch plugin: the variables it gives the trainer's "node" container (and
+# refuses in a TrainJob's own env), and the port it opens for the JobSet's headless Service.
+TRAINER_PORT = 29500
+TRAINER_RESERVED = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+                    "PET_MASTER_PORT"}
+
+
+def trainer_env(job: dict[str, Any], runtime: dict[str, Any]) -> dict[str, str]:
+    """What the Trainer sets for node 1 of ``job``, then the TrainJob's own env on top."""
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    env = {"PET_NNODES": str(trainer.get("numNodes", runtime["spec"]["mlPolicy"]["numNodes"])),
+           "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")), "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": str(TRAINER_PORT)}
+    for item in trainer.get("env", []):
+        env[item["name"]] = item.get("value", "10.0.0.7")  # valueFrom: the pod's IP
+    return env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in a container's command and args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def test_trainjob_wiring() -> None:
+    (job,) = by_kind("TrainJob")
+    ref, trainer, name = job["spec"]["runtimeRef"], job["spec"]["trainer"], job["metadata"]["name"]
+    (runtime,) = [r for r in by_kind(ref["kind"]) if r["metadata"]["name"] == ref["name"]]
+    group = job["apiVersion"].split("/")[0]
+    assert ref["apiGroup"] == group == runtime["apiVersion"].split("/")[0] == "trainer.kubeflow.org"
+    assert "torch" in runtime["spec"]["mlPolicy"]  # the torch plugin: the PET_* variables
+    (rjob,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]
+               if r["template"]["metadata"]["labels"].get(
+                   "trainer.kubeflow.org/trainjob-ancestor-step") == "trainer"]
+    (container,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    assert rjob["name"] == container["name"] == "node"  # the names the torch plugin looks for
+    assert not TRAINER_RESERVED & {e["name"] for e in trainer.get("env", [])}
+    assert container["command"] == trainer["command"] == ["elasticstore-run"]
+    env = trainer_env(job, runtime)
+    args = [expand(a, env) for a in trainer["args"]]
+    assert not [a for a in args if "$(" in a]  # every reference has its variable
+    rs = run.parse(args, env)
+    assert rs.backend == "elasticstore"
+    assert rs.min_nodes == rs.max_nodes == trainer["numNodes"]  # Trainer v2: a fixed node count
+    assert rs.agent.nproc == trainer["numProcPerNode"] and rs.agent.max_restarts == 3
+    assert rs.agent.run_id == name and rs.local_addr == "10.0.0.7"
+    assert rs.rendezvous.join_timeout == 300
+    host, port = rs.endpoint.rsplit(":", 1)
+    # Pod 0 of replicated job "node" under the JobSet's headless Service, named after the job.
+    pod, service = host.split(".")
+    assert (pod, service) == (f"{name}-{rjob['name']}-0-0", name)
+    assert all(len(label) <= 63 for label in (pod, service))  # DNS labels
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(port) == ports["rdzv"] == TRAINER_PORT
+    assert rs.agent.metrics_port == ports["metrics"] and rs.agent.metrics_addr == "0.0.0.0"
