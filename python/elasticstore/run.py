@@ -33,6 +33,7 @@ from typing import Any
 from .agent.config import AgentSettings
 from .agent.healthflags import health_settings
 from .agent.logs import parse_std
+from .agent.logspecs import build
 from . import schedulers
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint
@@ -203,6 +204,14 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
     except ValueError as exc:
         flag, _, reason = str(exc).partition(" ")
         raise UsageError(flag, reason) from None
+    logs_specs = None
+    if args.logs_specs is not None:  # torchrun's: built once, with these flags (agent/logspecs.py)
+        try:
+            logs_specs = build(str(args.logs_specs), args.log_dir, str(args.redirects), str(args.tee),
+                               ranks_filter)
+        except (LookupError, ImportError, TypeError, ValueError) as exc:
+            raise UsageError("--logs-specs", str(exc)) from None
+        redirects = tee = {}
     if args.log_layout not in ("elasticstore", "torchrun"):
         raise UsageError("--log-layout", f"{args.log_layout!r}: expected elasticstore "
                          "(<run_id>/attempt_N/<rank>) or torchrun (<run_id>_<random>/attempt_N/<local rank>)")
@@ -223,8 +232,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
         warm=warm, python=python,
         preload_imports=not args.no_preload_imports, role=str(args.role),
         max_restarts=int_value("--max-restarts", args.max_restarts), monitor_interval=monitor,
-        shutdown_timeout=float(int_value("--shutdown-timeout", shutdown)), log_dir=args.log_dir,
-        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, log_layout=str(args.log_layout),
+        shutdown_timeout=float(int_value("--shutdown-timeout", shutdown)),
+        log_dir=None if logs_specs is not None else args.log_dir, logs_specs=logs_specs, redirects=redirects,
+        tee=tee, local_ranks_filter=None if logs_specs is not None else ranks_filter, log_layout=str(args.log_layout),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
         signals=signals_value(args.signals_to_handle), extra_env=tuple(extra_env),
         legacy_local_rank_arg=legacy and not args.use_env,

@@ -18,12 +18,8 @@ from .agent.healthflags import add_flags as add_health_flags
 __all__ = ["NUMA_MODES", "UNSUPPORTED", "UsageError", "parser"]
 
 # torchrun's flags that elasticstore-run refuses when given (by flag or by ``PET_<FLAG>``), each
-# with the reason (``run.py``).
-UNSUPPORTED = {
-    "--logs-specs": "a torchrun.logs_specs plugin decides the files of torchrun's own log "
-                    "pipeline, which elasticstore-run does not use (its logs: --log-dir, "
-                    "--log-layout torchrun for torchrun's directories)",
-}
+# with the reason (``run.py``); none today.
+UNSUPPORTED: dict[str, str] = {}
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 
 
@@ -108,6 +104,8 @@ def parser(environ: Mapping[str, str] = os.environ, prog: str = "elasticstore-ru
     p.add_argument(*_names("--numa-binding"), action=_Env, default=None)
     for flag in ("--duplicate-stdout-filters", "--duplicate-stderr-filters"):
         p.add_argument(*_names(flag), action=_Env, default=None)
+    # --logs-specs: a torchrun.logs_specs entry point's LogsSpecs (agent/logspecs.py)
+    p.add_argument(*_names("--logs-specs"), action=_Env, default=None)
     for flag in UNSUPPORTED:  # refused when given, PET_ variable included (run.py)
         p.add_argument(*_names(flag), action=_Env, default=None)
     p.add_argument("training_script")

@@ -275,11 +275,9 @@ print(determine_local_world_size("fakedev"), parse(["--nproc-per-node", "fakedev
     assert proc.stdout.split() == ["3", "3"], proc.stdout
 
 
-def test_refused_flags_say_why_and_their_pet_variables_are_never_ignored() -> None:
-    with pytest.raises(UsageError, match="^--logs-specs: not supported by elasticstore-run: a torchrun.logs_specs"):
-        parse(["--logs-specs", "x", "t.py"], {})
-    with pytest.raises(UsageError, match="^--logs-specs: not supported by elasticstore-run "
-                       "\\(PET_LOGS_SPECS is set\\): "):
+def test_torchrun_only_flags_and_their_pet_variables_are_never_ignored() -> None:
+    # --logs-specs names a torchrun.logs_specs entry point (test_logs_specs.py); PET_ too
+    with pytest.raises(UsageError, match="^--logs-specs: 'x': no entry point of that name"):
         parse(["t.py"], {"PET_LOGS_SPECS": "x"})
     assert parse(["t.py"], {"PET_DUPLICATE_STDERR_FILTERS": "a,,b,c"}).agent.duplicate_filters == {
         "stderr": ("a,b", "c")}

@@ -47,6 +47,7 @@ from .forkclient import ForkServer, settle_preloads
 from .hangs import Hang, HangWatch
 from .health import HealthGate
 from .logs import open_rank_log, rank_output, run_log_dir, say
+from .logspecs import reify
 from .platforms import PlatformHooks
 from .rounds import RendezvousCall, assign, say_moves, say_round
 from .roundwatch import RoundWatcher
@@ -137,8 +138,7 @@ class Agent:
             self._hangs.close()
             self._snapshots.close()
             self._platform.close()
-            # The last status while the rendezvous connection is still ours (and no rendezvous
-            # thread, interrupted by a signal, still uses it).
+            # The last status while the rendezvous connection is ours (no rendezvous thread uses it).
             if not self._shut and not self._refused and not (
                     self._rdzv_thread and self._rdzv_thread.is_alive()):
                 self.events.publish(state=self._verdict(code))
@@ -157,8 +157,7 @@ class Agent:
 
     def _loop(self) -> int:
         for _ in range(1 << 30):
-            # health.py: checks this node when due
-            sig, t0 = self._health.gate(self._rounds, self._failures_used), self._clock()
+            sig, t0 = self._health.gate(self._rounds, self._failures_used), self._clock()  # health.py
             info = sig or self._rendezvous()
             if isinstance(info, int):
                 return 128 + info
@@ -246,6 +245,7 @@ class Agent:
             env.update(self._snapshots.env(), **self._hangs.env(local), **self._platform.worker_env())
             specs.append(WorkerSpec(local, rank, argv, env, kind, error_file,
                                     rank_dir if self._log_root else None))
+        specs = reify(self.s, specs)  # --logs-specs: the files its LogsDest names (logspecs.py)
         for tries in range(2):
             self._group = WorkerGroup(self._server, self._clock)
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["AgentSettings", "DRAIN_TIMEOUT", "FIRST_HEARTBEAT_TIMEOUT", "HEALTH_CHECK_TIMEOUT",
            "HEARTBEAT_TIMEOUT", "HealthSettings", "MAX_MATMUL_MS", "parse_timeout"]
@@ -105,6 +106,9 @@ class AgentSettings:
     # --duplicate-std{out,err}-filters: stream -> needles; a teed rank's line containing one is
     # also written to the attempt's filtered_<stream>.log (logs.py)
     duplicate_filters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # --logs-specs: the LogsSpecs object (torch's) whose reify places each worker's files
+    # (logspecs.py); log_dir, redirects and tee are then its own
+    logs_specs: Any = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

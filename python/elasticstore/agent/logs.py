@@ -23,17 +23,29 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from string import Template
 from typing import Any
 
 from .console import LOCK, ConsoleWriter, Sink, end_partial, open_pty
 
-__all__ = ["LogRelay", "Std", "UnsafeLogPath", "console_for", "console_prefix", "open_log",
+__all__ = ["LogRelay", "RankDest", "Std", "UnsafeLogPath", "console_for", "console_prefix", "open_log",
            "open_rank_log", "parse_std", "rank_output", "run_log_dir", "say"]
 
 _MAX_LINE = 1 << 16  # a longer line is written in pieces of this size
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class RankDest:
+    """One worker's files from a ``--logs-specs`` ``LogsDest`` (``logspecs.py``): a stream's path
+    (``""``: the console only), the streams also shown on the console, the filtered files."""
+
+    stdout: str
+    stderr: str
+    tee: frozenset[str] = frozenset()
+    filtered: dict[str, str] = field(default_factory=dict)
 
 
 class UnsafeLogPath(OSError):
@@ -272,16 +284,24 @@ def rank_output(s: Any, log_root: str | None, spec: Any, stream: str) -> tuple[i
     launcher's console: through a pseudo-terminal when that is a terminal and the stream is
     neither redirected nor teed (the worker then sees a terminal, as under torchrun), else through
     a pipe, whole lines (``console.py``)."""
-    local, rank_dir = spec.local_rank, spec.log_dir
+    local, rank_dir, dest = spec.local_rank, spec.log_dir, spec.dest
     redirected = Std.has(s.redirects.get(local, 0), stream)
     teed = Std.has(s.tee.get(local, 0), stream)
     shown = s.local_ranks_filter is None or local in s.local_ranks_filter
     label = os.path.join(rank_dir or ".", f"{stream}.log")
     file_fd = open_rank_log(log_root, rank_dir, f"{stream}.log") if rank_dir and log_root else None
+    if dest is not None:  # --logs-specs: the paths its LogsDest gave (logspecs.py)
+        path = dest.stdout if stream == "stdout" else dest.stderr
+        redirected, teed, shown, label = path != "", stream in dest.tee, True, path or label
+        if redirected and path != os.devnull:  # torch's: opened "w"
+            file_fd = os.open(path, _FILE_FLAGS & ~os.O_NOFOLLOW | os.O_TRUNC, 0o644)
     filtered = None
     try:
         needles = s.duplicate_filters.get(stream, ())
-        if needles and teed and rank_dir and log_root:  # torchrun's: the teed ranks' lines
+        if needles and teed and dest is not None and stream in dest.filtered:
+            filtered = Filtered(os.open(dest.filtered[stream], _FILE_FLAGS & ~os.O_NOFOLLOW),
+                                needles, console_prefix(s, spec, teed))
+        elif needles and teed and rank_dir and log_root:  # torchrun's: the teed ranks' lines
             fd = open_rank_log(log_root, os.path.dirname(rank_dir), f"filtered_{stream}.log")
             filtered = Filtered(fd, needles, console_prefix(s, spec, teed))
         sink = console_for(stream) if shown and (teed or not redirected) else None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .forkclient import ForkServer, read_status
-from .logs import LogRelay, say
+from .logs import LogRelay, RankDest, say
 
 __all__ = ["Worker", "WorkerGroup", "WorkerSpec", "signal_name"]
 
@@ -60,6 +60,7 @@ class WorkerSpec:
     kind: str  # "script", "module" (warm start) or "exec"
     error_file: str
     log_dir: str | None  # this worker's attempt directory (None: no log files)
+    dest: RankDest | None = None  # --logs-specs: its files (logspecs.py), instead of log_dir's
 
 
 @dataclass

@@ -14,8 +14,9 @@ directory; each worker runs ``elasticstore.launcher.worker``, forked warm by the
 (``spawn``), and writes its return value back there.
 
 What differs from torch's: ``start_method`` defaults to ``forkserver`` (warm start; torch's
-``spawn`` starts fresh interpreters); ``logs_specs`` takes torch's ``DefaultLogsSpecs`` (its log
-directory gets torchrun's layout, ``--log-layout torchrun``), any other ``LogsSpecs`` is refused;
+``spawn`` starts fresh interpreters); ``logs_specs``: torch's ``DefaultLogsSpecs`` gives its log
+directory torchrun's layout (``--log-layout torchrun``), any other ``LogsSpecs`` places each
+worker's files by its ``reify`` each round, as ``elasticstore-run --logs-specs`` (``agent/logspecs.py``);
 ``numa_options`` is ``--numa-binding`` (set only when given: torch's sets a default with one CUDA
 device per worker); ``metrics_cfg`` is refused when set.
 """
@@ -56,7 +57,7 @@ class LaunchConfig:
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
-    logs_specs: Any = None  # torch's DefaultLogsSpecs, or None: no log files
+    logs_specs: Any = None  # a torch LogsSpecs, or None: no log files
     run_id: str = ""
     role: str = "default_role"
     rdzv_endpoint: str = ""
@@ -122,15 +123,22 @@ def _std(value: Any) -> str:
     return str(bits(value))
 
 
+def _custom(specs: Any) -> Any:
+    """A ``LogsSpecs`` other than torch's ``DefaultLogsSpecs`` (None for that one, or none)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
+
+    if specs is None or type(specs) is DefaultLogsSpecs:
+        return None
+    if not isinstance(specs, LogsSpecs):
+        raise ValueError(f"LaunchConfig.logs_specs: {type(specs).__name__} is not a torch LogsSpecs")
+    return specs
+
+
 def _log_flags(specs: Any) -> list[str]:
+    if _custom(specs) is not None:
+        return []  # its reify places the files (launch_agent)
     if specs is None:
         return []
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-
-    if type(specs) is not DefaultLogsSpecs:
-        raise ValueError(f"LaunchConfig.logs_specs: {type(specs).__name__} is not supported by "
-                         "elasticstore's launcher (only torch's DefaultLogsSpecs, whose layout "
-                         "it writes)")
     flags = ["--log-layout", "torchrun", "-r", _std(specs._redirects), "-t", _std(specs._tee)]
     if specs.root_log_dir != os.devnull:
         flags += ["--log-dir", specs.root_log_dir]
@@ -221,7 +229,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         environ = {k: v for k, v in os.environ.items()
                    if not k.startswith("PET_") and k != "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"}
         rs = run.parse(_argv(config, entry), environ)
-        settings = dataclasses.replace(rs.agent, extra_env=(),
+        settings = dataclasses.replace(rs.agent, extra_env=(), logs_specs=_custom(config.logs_specs),
                                        log_line_prefix_template=config.log_line_prefix_template)
         for notice in rs.notices:
             say(f"[elasticstore.launcher] {notice}")
