@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from .handler import ElasticRendezvousHandler
 from .plugin import create_etcd_handler, create_native_handler, create_static_handler
+from .resolve import RendezvousNameError
 from .settings import RendezvousSettings, settings_from_params
 from .state import RoundState
 
 __all__ = [
     "ElasticRendezvousHandler",
+    "RendezvousNameError",
     "RendezvousSettings",
     "RoundState",
     "create_etcd_handler",
