@@ -36,7 +36,7 @@ class FlatLogsSpecs(LogsSpecs):
                                 f"{env['ROLE_NAME']}-{env['RANK']}-a{env['TORCHELASTIC_RESTART_COUNT']}")
             d.stdouts[lr] = base + ".out" if rd & Std.OUT else ""
             d.stderrs[lr] = base + ".err" if rd & Std.ERR else ""
-            if tees[lr] & Std.OUT:
+            if tees[lr] & Std.OUT and (not self._local_ranks_filter or lr in self._local_ranks_filter):
                 d.tee_stdouts[lr] = d.stdouts[lr]
             d.error_files[lr] = env["TORCHELASTIC_ERROR_FILE"] = base + ".json"
         with open(os.path.join(self._root_log_dir, "envs.jsonl"), "a") as f:
@@ -99,7 +99,8 @@ def test_a_logs_specs_entry_point_places_the_same_files_as_under_torchrun(
         logs.mkdir(parents=True)
         cmd = [str(VENV_BIN / launcher), "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", "--logs-specs", "flat", "--log-dir", str(logs), "-r", "3",
-               "-t", "1", "--duplicate-stdout-filters", "out 0", str(tmp_path / "train.py")]
+               "-t", "1", "--local-ranks-filter", "0", "--duplicate-stdout-filters", "out",
+               str(tmp_path / "train.py")]
         procs[launcher] = subprocess.Popen(cmd, env=_env(site), cwd=tmp_path / launcher,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
@@ -115,6 +116,7 @@ def test_a_logs_specs_entry_point_places_the_same_files_as_under_torchrun(
     for launcher, (code, out, err) in results.items():
         assert code == 0, (launcher, out, err)
         assert "[default0]:out 0 attempt 1" in out, (launcher, out)  # -t 1: teed to the console
+        assert "out 1 attempt" not in out, (launcher, out)  # the plugin keeps rank 1 off it
         assert "err 0 attempt" not in out + err, (launcher, err)  # -r 3 alone: the file only
     torch_files = _files(tmp_path / "torchrun" / "logs")
     ours = _files(tmp_path / "elasticstore-run" / "logs")
