@@ -42,7 +42,7 @@ def _can_unshare_mount() -> str | None:
     return None
 
 
-def test_endpoint_name_resolving_after_two_seconds_is_waited_for(tmp_path: Path) -> None:
+def test_endpoint_name_that_resolves_late_is_waited_for(tmp_path: Path) -> None:
     why = _can_unshare_mount()
     if why is not None:
         pytest.skip(why)
@@ -84,14 +84,23 @@ def test_endpoint_name_resolving_after_two_seconds_is_waited_for(tmp_path: Path)
     assert "worker ran" in out, out
 
 
-def test_endpoint_name_that_never_resolves_fails_naming_host_and_wait(tmp_path: Path) -> None:
-    host = "never-resolves.invalid"  # RFC 2606: never in DNS
+@pytest.mark.parametrize("backend", ["elasticstore", "elasticstore-etcd"])
+def test_endpoint_name_that_never_resolves_fails_naming_host_and_wait(
+        tmp_path: Path, backend: str) -> None:
+    if backend == "elasticstore-etcd":
+        pytest.importorskip("grpc", reason="the elasticstore[etcd] extra")
+        hosts = ["never-resolves.invalid", "nor-this.invalid"]  # RFC 2606: never in DNS
+    else:
+        hosts = ["never-resolves.invalid"]
+    endpoint = ",".join(f"{h}:2379" for h in hosts)
     proc = subprocess.run(
-        [RUN, "--nnodes", "1", "--rdzv-backend", "elasticstore", "--rdzv-endpoint",
-         f"{host}:29400", "--rdzv-id", "never-dns", "--rdzv-conf", "join_timeout=1.5",
-         _script(tmp_path)],
+        [RUN, "--nnodes", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+         "--rdzv-id", "never-dns", "--rdzv-conf", "join_timeout=1.5", _script(tmp_path)],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
-    assert f"rendezvous endpoint host {host!r} did not resolve within" in proc.stderr
+    named = ", ".join(repr(h) for h in hosts)
+    assert f"rendezvous endpoint host{'s' if len(hosts) > 1 else ''} {named} did not resolve " \
+        "within" in proc.stderr, proc.stderr
     assert "(join_timeout 1.5s)" in proc.stderr
+    assert proc.stderr.count("not resolve yet") == 1, proc.stderr
     assert "worker ran" not in proc.stdout
