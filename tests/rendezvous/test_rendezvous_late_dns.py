@@ -10,17 +10,22 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+import elasticstore  # noqa: F401  (registers the rendezvous backends)
 
 RUN = os.path.join(os.path.dirname(sys.executable), "elasticstore-run")
 NAME = "late-rdzv.elasticstore.test"
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -104,3 +109,30 @@ def test_endpoint_name_that_never_resolves_fails_naming_host_and_wait(
     assert "(join_timeout 1.5s)" in proc.stderr
     assert proc.stderr.count("not resolve yet") == 1, proc.stderr
     assert "worker ran" not in proc.stdout
+
+
+def test_node_started_before_the_host_waits_for_its_server_up_to_join_timeout() -> None:
+    """Pods start in any order: a node whose endpoint resolves but whose host's server is not up
+    yet (its pod still pulling the image) waits for it past store_timeout, up to join_timeout."""
+    port = _free_port("127.0.0.2")
+
+    def params(addr: str) -> RendezvousParameters:
+        return RendezvousParameters("elasticstore", f"127.0.0.2:{port}", "late-host", 2, 2, addr,
+                                    store_timeout=1, join_timeout=30, last_call_timeout=0.2)
+
+    handlers = []
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(get_rendezvous_handler, params("127.0.0.3"))
+        try:
+            time.sleep(3)  # three times store_timeout, and no server yet
+            assert not early.done(), early.exception()
+            handlers.append(get_rendezvous_handler(params("127.0.0.2")))  # the host, late
+            handlers.append(early.result(timeout=30))
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+            assert sorted(i.rank for i in infos) == [0, 1]
+        finally:
+            if not handlers and not early.done():  # no host came: the wait ends at join_timeout
+                handlers.append(get_rendezvous_handler(params("127.0.0.2")))
+                handlers.append(early.result(timeout=30))
+            for h in reversed(handlers):
+                h.shutdown()

@@ -156,7 +156,8 @@ def _join_listed(settings: RendezvousSettings) -> NativeBackend:
 
 
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
-    host = settings.address
+    start = time.monotonic()
+    host = settings.address  # a name that resolves late is waited for (resolve.py)
     token = settings.store_token  # None: Store/StoreServer read the environment
     server: StoreServer | None = None
     if settings.failover and len(settings.endpoints) > 1 and not _should_host(settings):
@@ -178,8 +179,12 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
                 log.info("hosting the rendezvous server at %s", server.address)
             except Exception as exc:  # bound by another agent meanwhile: use that one
                 log.info("not hosting the rendezvous server at %s: %s", settings.endpoint, exc)
+    # A node that does not host waits for the host's server up to join_timeout (at least
+    # store_timeout): pods start in any order, the host's perhaps minutes later (image pulls).
+    wait = None if server is not None else max(
+        settings.store_timeout, settings.join_timeout - (time.monotonic() - start))
     try:
-        backend = connect_native_backend(settings, host, settings.port, server)
+        backend = connect_native_backend(settings, host, settings.port, server, first_wait=wait)
     except BaseException:
         if server is not None:
             server.close()
