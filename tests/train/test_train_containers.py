@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,17 +39,6 @@ from elasticstore.train import KEEP_PER_RANK
 TRAIN = program("container_train.py")
 ROOT = os.geteuid() == 0 and shutil.which("unshare") is not None
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root and unshare")
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="elasticstore-test-", dir="/dev/shm")
-    try:
-        yield root
-        left = os.listdir(root)
-        assert left == [], f"left in {root}: {left}"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def results(workdir: str) -> dict[int, Any]:

@@ -15,11 +15,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +27,6 @@ from paths import program
 from elasticstore.agent.snapshots import ROOT_ENV
 
 TRAIN = program("sharded_train.py")
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="elasticstore-test-", dir="/dev/shm")
-    try:
-        yield root
-        assert os.listdir(root) == [], os.listdir(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def records(workdir: str, mode: str) -> dict[int, Any]:

@@ -16,9 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +28,6 @@ from elasticstore.agent.snapshots import CREATING, OWNER, PREFIX, ROOT_ENV, remo
 
 TRAIN = program("snapshot_train.py")
 CONF = ["--rdzv-conf", "last_call_timeout=1"]
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    """A snapshot root under /dev/shm for this test's agents; must be empty at the end."""
-    root = tempfile.mkdtemp(prefix="elasticstore-test-", dir="/dev/shm")
-    try:
-        yield root
-        left = os.listdir(root)
-        assert left == [], f"left in {root}: {left}"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def records(workdir: str, kind: str, attempt: int | None = None) -> dict[int, Any]:
