@@ -206,3 +206,72 @@ def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
               f"{trained_since(workdir, back_at, 6).first - back_at:.1f}s")  # type: ignore[union-attr]
         assert "(epoch 2)" in a.output(nodes[0]), a.output(nodes[0])
         _finish(a, nodes, workdir)
+
+
+def _one_worker(a: Any, i: int, port: int, workdir: str, name: str) -> subprocess.Popen[bytes]:
+    endpoints = ",".join(f"{addr}:{port}" for addr in ADDRS)
+    flags = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-endpoint", endpoints,
+             "--local-addr", ADDRS[i], "--rdzv-id", "job", "--max-restarts", "10", "--rdzv-conf",
+             "last_call_timeout=1,join_timeout=40,store_timeout=10"]
+    return a.start(flags, ["--dir", workdir], name=name, script=STEPS_TRAIN,
+                   env={"ELASTICSTORE_TEST_NODE": ADDRS[i], "STEPS_TERM_DELAY": ""})
+
+
+def _signal_tree(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+@pytest.mark.xfail(strict=True, reason="open: a node that hosted and gave its store up keeps no "
+                   "follower (takeover._serve consumes it; nothing restores it), so the first "
+                   "entry's node restarted while the host is silent hosts a fresh run")
+def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_path: object) -> None:
+    """A node that hosted the store and gave it up (SIGSTOPped while the others moved on, then
+    continued) listens as a follower again: with the store's host silent, the first entry's node
+    restarted finds the run alive there and waits for the host, instead of hosting a fresh run
+    (round 1 again) beside the job. Before, its follower had become its store and was never
+    restored: after a few switches no node said the run was alive. Only the restart is checked:
+    with n1 killed and n3 stopped, n2 alone holds no majority of the last round, and whether the
+    job goes on after n3 is continued is not asked here (1 worker per node; 35-90 s)."""
+    workdir, port = str(tmp_path), free_port()
+    with agents(workdir) as a:
+        nodes = [_one_worker(a, i, port, workdir, f"n{i + 1}") for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 3), 180, "3 nodes training")
+        # The first entry's node (the host) killed and restarted: n2 hosts epoch 2.
+        killed_at = time.time()
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        nodes[0].wait(30)
+        nodes[0] = _one_worker(a, 0, port, workdir, "n1-back")
+        until(lambda: trained_since(workdir, killed_at, 3), 90, "n1 back: world size 3")
+        # n2 (the host) stopped: n3 hosts epoch 3; n2 continued gives its store up and joins.
+        stopped = _tree(nodes[1].pid)
+        stopped_at = time.time()
+        _signal_tree(stopped, signal.SIGSTOP)
+        try:
+            until(lambda: trained_since(workdir, stopped_at, 2), 60, "n1, n3 training at world size 2")
+        finally:
+            _signal_tree(stopped, signal.SIGCONT)
+        back_at = time.time()
+        until(lambda: trained_since(workdir, back_at, 3), 60, "n2 back as a member: world size 3")
+        assert f"to {ADDRS[2]}:{port} (epoch 3)" in a.output(nodes[1]), a.output(nodes[1])
+        # n3 (the host) silent and n1 restarted: only n2 (no longer hosting) may tell n1 that
+        # the run is alive; n3 is continued once n1 has either waited or trained.
+        silent = _tree(nodes[2].pid)
+        _signal_tree(silent, signal.SIGSTOP)
+        try:
+            os.kill(nodes[0].pid, signal.SIGKILL)
+            nodes[0].wait(30)
+            restarted_at = time.time()
+            nodes[0] = _one_worker(a, 0, port, workdir, "n1-again")
+            until(lambda: "waiting for the next host" in a.output(nodes[0])
+                  or trained_since(workdir, restarted_at) is not None, 60, "n1 restarted")
+            fresh = [g for g in groups(workdir) if g.last > restarted_at and g.attempt == 0]
+            assert not fresh, f"a fresh run beside the job: {fresh[0].describe()}"
+            assert "waiting for the next host" in a.output(nodes[0]), a.output(nodes[0])
+        finally:
+            _signal_tree(silent, signal.SIGCONT)
+        bad = overlaps(groups(workdir))
+        assert not bad, f"two groups trained at once: {bad[0][0].describe()} | {bad[0][1].describe()}"
