@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ..errors import StoreNetworkError, WatchCompactedError
 from . import registry
 from .backend import StoreBackend
 from .records import parse_json
 
-__all__ = ["FINISHED", "WAIT_SLICE", "EndedWatch", "RoundWatch", "closed_reason_of", "forget_hint", "parse_json",
+__all__ = ["FINISHED", "WAIT_SLICE", "EndedWatch", "RoundWatch", "closed_error", "closed_reason_of", "forget_hint", "parse_json",
            "stop_reason_of", "wait_alone"]
 
 ETCD_PREFIX = "/elasticstore/rdzv"  # the default of rdzv-conf etcd_prefix and --etcd-prefix
@@ -40,6 +41,15 @@ def stop_reason_of(data: bytes | None) -> str | None:
     """The closing reason a restart record carries (``elasticstore stop`` writes one)."""
     obj = parse_json(data)
     return str(obj["closed"]) if isinstance(obj, dict) and "closed" in obj else None
+
+
+def closed_error(reason: str | None, backend: str, endpoint: str, run_id: str,
+                 etcd_prefix: str = ETCD_PREFIX) -> RendezvousClosedError:
+    """What a node joining a closed run raises: why it closed and how to reuse the run id."""
+    why = (" (finished: a job with this run id already succeeded)" if reason == FINISHED
+           else f" ({reason})" if reason else "")
+    return RendezvousClosedError(f"rendezvous {run_id!r} is closed{why}; "
+                                 + forget_hint(backend, endpoint, run_id, etcd_prefix))
 
 
 def forget_hint(backend: str, endpoint: str, run_id: str, etcd_prefix: str = ETCD_PREFIX) -> str:

@@ -23,14 +23,9 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from torch.distributed import Store as TorchStore
-from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-    RendezvousTimeoutError,
-)
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
+                                                  RendezvousHandler, RendezvousInfo,
+                                                  RendezvousStoreInfo, RendezvousTimeoutError)
 
 from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
@@ -38,7 +33,7 @@ from ..stores.native.store import Store
 from . import decisions
 from .agent_side import AgentSide
 from .backend import StoreBackend
-from .closing import FINISHED, RoundWatch, closed_reason_of, forget_hint
+from .closing import RoundWatch, closed_error, closed_reason_of
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import HostRecord, endpoint_of
 from .native import create_native_backend
@@ -140,7 +135,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
                 take_over(self, lost)
             try:
                 return self._join_next()
-            except RendezvousConnectionError as exc:
+            except RendezvousConnectionError:
                 if self._lost is None:  # not a loss a survivor may take over
                     raise
         raise RendezvousConnectionError("rendezvous: the store's host kept being lost")
@@ -194,12 +189,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         reason = closed_reason_of(closed)
         if reason is not None:
             self._stop_seen = reason
-        why = (" (finished: a job with this run id already succeeded)" if reason == FINISHED
-               else f" ({reason})" if reason else "")
-        raise RendezvousClosedError(
-            f"rendezvous {self._settings.run_id!r} is closed{why}; " + forget_hint(
-                self._backend.name, self._backend.endpoint, self._settings.run_id,
-                self._settings.etcd_prefix))
+        raise closed_error(reason, self._backend.name, self._backend.endpoint,
+                           self._settings.run_id, self._settings.etcd_prefix)
 
     def num_nodes_waiting(self) -> int:
         """Positive as soon as the current round must be replaced: a participant was lost
