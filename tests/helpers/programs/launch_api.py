@@ -44,6 +44,10 @@ def main() -> None:
     which, mode, port, out = sys.argv[1:5]
     start_method = sys.argv[5] if len(sys.argv) > 5 else "spawn"
     if which == "torch":
+        # torch's c10d rendezvous shares its TCPStore with the workers by default, and a restart's
+        # workers can then hang or fail in init_process_group on the earlier round's address (the
+        # reference run stalled for 240 s on a loaded machine): the reference runs without sharing.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     else:
         from elasticstore.launcher import LaunchConfig, elastic_launch
