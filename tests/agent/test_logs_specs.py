@@ -45,7 +45,7 @@ class FlatLogsSpecs(LogsSpecs):
 '''
 
 SCRIPT = '''
-import os, sys
+import os, sys, time
 from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
@@ -53,7 +53,12 @@ def main():
     rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
     print(f"out {rank} attempt {restart}", flush=True)
     print(f"err {rank} attempt {restart}", file=sys.stderr, flush=True)
+    if rank == "0" and restart == "0":
+        open("rank0-printed", "w").close()  # in the launcher's working directory
     if rank == "1" and restart == "0":
+        deadline = time.monotonic() + 60  # rank 0's lines are written before the failure
+        while not os.path.exists("rank0-printed") and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise RuntimeError("rank 1 fails once")
 
 main()
