@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 import pytest
-from agent_nodes import agents, assert_gone, events, free_port, until
+from agent_nodes import agents, assert_gone, events, free_port, tree, until
 from step_log import STEPS_TRAIN, groups, overlaps, trained_since
 
 pytestmark = pytest.mark.slow
@@ -108,25 +108,6 @@ def _start_steps(a: Any, i: int, port: int, nnodes: str, workdir: str, name: str
                    name=name or f"n{i + 1}", env=env, script=STEPS_TRAIN)
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found
-
-
 def _finish(a: Any, procs: list[subprocess.Popen[bytes]], workdir: str) -> None:
     a.release()
     for proc in procs:
@@ -185,7 +166,7 @@ def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
         nodes = [_start_steps(a, i, port, "2:3", workdir, conf=("--rdzv-conf", "store_timeout=5"))
                  for i in range(3)]
         until(lambda: trained_since(workdir, 0, 6), 180, "3 nodes x 2 workers training")
-        stopped = _tree(nodes[0].pid)
+        stopped = tree(nodes[0].pid)
         stopped_at = time.time()
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
@@ -247,7 +228,7 @@ def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_
         nodes[0] = _one_worker(a, 0, port, workdir, "n1-back")
         until(lambda: trained_since(workdir, killed_at, 3), 90, "n1 back: world size 3")
         # n2 (the host) stopped: n3 hosts epoch 3; n2 continued gives its store up and joins.
-        stopped = _tree(nodes[1].pid)
+        stopped = tree(nodes[1].pid)
         stopped_at = time.time()
         _signal_tree(stopped, signal.SIGSTOP)
         try:
@@ -259,7 +240,7 @@ def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_
         assert f"to {ADDRS[2]}:{port} (epoch 3)" in a.output(nodes[1]), a.output(nodes[1])
         # n3 (the host) silent and n1 restarted: only n2 (no longer hosting) may tell n1 that
         # the run is alive; n3 is continued once n1 has either waited or trained.
-        silent = _tree(nodes[2].pid)
+        silent = tree(nodes[2].pid)
         _signal_tree(silent, signal.SIGSTOP)
         try:
             os.kill(nodes[0].pid, signal.SIGKILL)

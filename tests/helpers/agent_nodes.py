@@ -174,3 +174,22 @@ def agents(workdir: str) -> Iterator[Agents]:
 def node_flags(addr: str, port: int, nnodes: str, nproc: int = 2, *extra: str) -> list[str]:
     return ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-endpoint",
             f"127.0.0.2:{port}", "--local-addr", addr, "--rdzv-id", "job", *extra]
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found

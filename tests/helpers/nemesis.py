@@ -33,32 +33,13 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from agent_nodes import Agents, free_port
+from agent_nodes import Agents, free_port, tree
 from step_log import STEPS_TRAIN, Group, groups, overlaps
 
 RECOVER = 45.0  # s: (b) training again after the last fault of a one-node episode healed
 JOIN_TIMEOUT = 25  # s: rdzv-conf join_timeout of the jobs (a node that cannot join gives up)
 STORE_TIMEOUT = 5  # s: rdzv-conf store_timeout (the host probe's bound, hostprobe.py)
 FINISHED_WITHOUT_IT = "is closed (finished: a job with this run id already succeeded)"
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found
 
 
 def _signal(pids: list[int], sig: int) -> None:
