@@ -177,7 +177,16 @@ class RingWatcher:
                 seen = b.get(beat) if silent_after is not None else None
                 since = time.monotonic()
                 while not self._stop.is_set():
-                    event = b.watch(key, rev, poll)
+                    try:
+                        event = b.watch(key, rev, poll)
+                    except WatchCompactedError:
+                        # The store's history moved past ``rev`` (a watch that timed out
+                        # keeps it; the run's beats alone fill the history in minutes at
+                        # scale): read the key again and go on from now, as etcd clients do.
+                        rev = b.revision()
+                        if b.get(key) is None:
+                            break
+                        continue
                     if event is not None:
                         rev = event.version
                         if event.key == key and event.kind == "delete":
