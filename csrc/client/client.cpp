@@ -102,6 +102,7 @@ std::unique_ptr<Client> Client::clone() const {
   check_not_closed();
   ClientOptions options = options_;
   options.op_timeout = op_timeout();
+  options.server_tag = server_tag_.load(std::memory_order_relaxed);
   return std::make_unique<Client>(host_, port_, std::move(options));
 }
 

@@ -88,6 +88,10 @@ struct ClientOptions {
   Timeout op_timeout{300'000};
   // Sent in HELLO (at most kMaxClientNameBytes).
   std::string client_name;
+  // The server instance a connection must reach (the tag of its session ids, protocol.hpp
+  // kSessionCounterBits); 0: whichever answers first, whose tag is then kept. clone() passes
+  // its client's on, so a clone never reaches a restarted server either.
+  uint64_t server_tag = 0;
   // The server's shared token (docs/authentication.md); empty: connect without authentication.
   // With one, the client proves it in the handshake and refuses a server that cannot prove it.
   std::string token;
@@ -228,6 +232,7 @@ class Client {
   // backoff and waiting against deadlines are the transport's (client/transport.hpp).
   void connect_locked(Timeout timeout);
   void handshake_locked(Clock::time_point deadline);
+  void check_same_server_locked();
   void authenticate_locked(Clock::time_point deadline, const std::string& client_nonce,
                            std::string_view server_nonce);
   [[noreturn]] void fail_auth_locked(const std::string& why);
@@ -267,6 +272,7 @@ class Client {
   // The socket, its buffered reply bytes and the close() signal; never null.
   std::unique_ptr<ClientTransport> conn_;
   std::atomic<uint64_t> session_id_{0};
+  std::atomic<uint64_t> server_tag_{0};  // of the server instance reached first (connect.cpp)
   std::atomic<bool> connected_{false};
   uint32_t next_request_id_ = 1;
   std::string wbuf_;         // the request being built; reused

@@ -39,6 +39,27 @@ void Client::connect_locked(Timeout timeout) {
     throw;
   }
   call_stats::record(call_stats::kConnectSlot, Outcome::Ok, Clock::now() - start);
+  check_same_server_locked();
+}
+
+// A reconnect that reached another instance of the server (restarted at the same address, or
+// another server there now) is refused: its keys, watches and session-bound keys are not the
+// ones this client knew, and going on there would be silently wrong. Not retried (outside the
+// connect loop); every later call refuses it again.
+void Client::check_same_server_locked() {
+  const uint64_t tag = session_id_.load(std::memory_order_relaxed) >> kSessionCounterBits;
+  uint64_t expected = server_tag_.load(std::memory_order_relaxed);
+  if (expected == 0) expected = options_.server_tag;
+  if (expected == 0 || tag == 0 || tag == expected) {
+    if (expected == 0) server_tag_.store(tag, std::memory_order_relaxed);
+    else server_tag_.store(expected, std::memory_order_relaxed);
+    return;
+  }
+  close_fd_locked();
+  throw NetworkError(endpoint() + ": another server instance answers there than the one this "
+                     "client connected to (it restarted, or another took its address): the "
+                     "keys and sessions this client knew are gone; refusing it (a new client "
+                     "may use it)");
 }
 
 void Client::handshake_locked(Clock::time_point deadline) {

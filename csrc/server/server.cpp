@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <exception>
+#include <random>
 #include <stdexcept>
 #include <system_error>
 
@@ -143,6 +145,19 @@ std::array<uint64_t, kNumStats> Server::Impl::collect() const {
 void Server::Impl::publish() noexcept {
   const auto v = collect();
   for (std::size_t i = 0; i < kNumStats; ++i) published_[i].store(v[i], std::memory_order_relaxed);
+}
+
+uint64_t first_session_id() noexcept {
+  constexpr uint64_t kTagMask = (uint64_t{1} << (64 - kSessionCounterBits)) - 1;
+  uint64_t tag = 0;
+  try {
+    std::random_device rd;
+    tag = ((uint64_t{rd()} << 32) ^ rd()) & kTagMask;
+  } catch (...) {  // no entropy source: the clock still tells two instances apart
+    tag = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) & kTagMask;
+  }
+  if (tag == 0) tag = 1;
+  return (tag << kSessionCounterBits) | 1;
 }
 
 Server::Server(ServerConfig config) {

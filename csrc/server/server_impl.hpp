@@ -30,6 +30,10 @@ namespace elasticstore {
 // How long accepting pauses when the process is out of file descriptors.
 inline constexpr uint64_t kAcceptBackoffMs = 100;
 
+// This instance's first session id: a random nonzero tag above kSessionCounterBits, counter 1
+// (protocol.hpp: a client that reconnects tells a restarted server by its tag). server.cpp.
+uint64_t first_session_id() noexcept;
+
 inline constexpr const char* kStatNames[] = {
     "connections",      "keys",           "waiters",
     "revision",         "queues",         "history_events",
@@ -122,7 +126,7 @@ class Server::Impl final : public ConnectionHost {
   std::vector<char> scratch_;
   std::string keepalive_note_;  // how a lost peer was detected, for the log line
   bool draining_ = false;
-  ConnId next_id_ = 1;
+  ConnId next_id_ = first_session_id();  // this instance's tag, then a counter (protocol.hpp)
   EventLoop::TimerId waiter_timer_ = 0;
   uint64_t waiter_deadline_ = kNoDeadline;
   uint64_t bytes_buffered_ = 0, accepted_ = 0, refused_ = 0, closed_bad_input_ = 0, requests_ = 0;

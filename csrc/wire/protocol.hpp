@@ -49,6 +49,11 @@ inline constexpr std::size_t kMaxWaitingBytes = std::size_t{1024} * 1024 * 1024;
 // Time a client has to finish sending a frame it started.
 inline constexpr uint32_t kFrameTimeoutMs = 30'000;
 inline constexpr std::size_t kMaxClientNameBytes = 256;
+// A session id (HELLO's reply) is the server instance's random tag in the bits above
+// kSessionCounterBits and a counter below. A client that reconnects and finds another tag
+// refuses that server: it restarted, and the keys and sessions the client knew are gone
+// (docs/protocol.md "Sessions"). A tag of 0 (a server before this rule) is never checked.
+inline constexpr unsigned kSessionCounterBits = 40;
 inline constexpr std::size_t kDefaultMaxConnections = 65'536;
 // Connections open at once from one peer IP address; past it the accept is refused (logged).
 inline constexpr std::size_t kDefaultMaxConnectionsPerPeer = 8'192;

@@ -427,23 +427,35 @@ TEST(ipv6_and_hostname) {
   CHECK_EQ(c6.get("six", milliseconds(100)), std::string("6"));
 }
 
-TEST(reconnect_after_server_restart) {
+TEST(reconnect_refuses_a_restarted_server) {
   auto server = make_server();
   const uint16_t port = server->port();
   Client c("127.0.0.1", port, quick_options());
   c.set("before", "1");
+  auto clone = c.clone();
+  CHECK((c.session_id() >> kSessionCounterBits) != 0);  // the instance's tag
+  CHECK_EQ(clone->session_id() >> kSessionCounterBits, c.session_id() >> kSessionCounterBits);
   server->stop();
   server.reset();
   server = make_server(port);
   // The next call on a connection idle for longer than kIdleCheck (100 ms) notices that it was
-  // closed and reconnects before sending. (Within 100 ms of the last reply the peek is skipped:
-  // that call would fail with NetworkError, never sending twice.)
+  // closed and reconnects before sending; the new instance's keys are not the ones this client
+  // knew ("before" is gone): refused, at once and on every later call, never retried.
   std::this_thread::sleep_for(milliseconds(150));
-  c.set("after", "2");
-  CHECK(c.connected());
-  CHECK(c.session_id() != 0);
-  CHECK_EQ(c.get("after", milliseconds(100)), std::string("2"));
-  CHECK(!c.try_get("before").has_value());  // a new server: the old data is gone
+  for (int i = 0; i < 2; ++i) {
+    auto t0 = Clock::now();
+    std::string msg = expect_throw<NetworkError>([&] { c.set("after", "2"); });
+    CHECK(elapsed_s(t0) < 1.0);
+    CHECK(contains(msg, "another server instance"));
+    CHECK(!c.connected());
+  }
+  expect_throw<NetworkError>([&] { c.clone(); });  // a clone is bound to the same instance
+  std::this_thread::sleep_for(milliseconds(150));
+  expect_throw<NetworkError>([&] { clone->ping(); });
+  Client fresh("127.0.0.1", port, quick_options());  // a new client may use it
+  CHECK(!fresh.try_get("before").has_value());
+  fresh.set("after", "2");
+  CHECK_EQ(fresh.get("after", milliseconds(100)), std::string("2"));
 }
 
 TEST(reconnect_gives_up_after_reconnect_timeout) {
