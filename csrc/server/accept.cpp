@@ -18,6 +18,11 @@
 
 namespace elasticstore {
 
+// Connections accepted per wake-up of the listener: a listen backlog of a few thousand is emptied
+// in a few wake-ups (a full backlog drops connects, which the clients' kernels retry only after
+// their 1 s SYN timeout), while the connections already accepted still get a turn in between.
+inline constexpr std::size_t kMaxAcceptsPerWakeup = 1'024;
+
 // Dead-peer detection (ServerConfig's keepalive fields): probes after the idle time, the count of
 // unanswered ones that ends the connection, and TCP_USER_TIMEOUT, so that data the peer never
 // acknowledges ends it within the same bound. With a user timeout the kernel ignores the count:
@@ -80,10 +85,15 @@ void Server::Impl::leave_half_open(Connection* c) noexcept {
 }
 
 // Past kMaxHalfOpenPerPeer from `ip`, or half_open_cap_ in all, closes the oldest connections
-// that have not finished their handshake (that peer's, then anyone's).
+// that have not finished their handshake (that peer's, then anyone's). Each is first given what
+// it already sent: a client whose handshake waits in its socket (the loop has not read it yet)
+// finishes it and leaves the count instead of being closed; one that sent nothing or only part
+// of it is closed. So the bound holds, and a client that handshakes promptly is never the one shed.
 void Server::Impl::shed_half_open(const std::string& ip) {
-  auto shed = [this](ConnId id, const char* why) {
+  auto make_room = [this](ConnId id, const char* why) {
     Connection* c = conns_.at(id).get();
+    on_conn(c, kReadable);
+    if (!c->half_open) return;  // served (or closed): no longer counted
     c->fail(std::string("closed before its handshake finished: ") + why, false);
     ++shed_half_open_;
     mark_closing(c);
@@ -91,20 +101,24 @@ void Server::Impl::shed_half_open(const std::string& ip) {
   for (;;) {
     auto it = half_open_by_peer_.find(ip);
     if (it == half_open_by_peer_.end() || it->second.size() <= kMaxHalfOpenPerPeer) break;
-    shed(it->second.front(), "its peer address has the most connections not yet authenticated "
-                             "(kMaxHalfOpenPerPeer)");
+    make_room(it->second.front(), "its peer address has the most connections not yet authenticated "
+                                  "(kMaxHalfOpenPerPeer)");
   }
   while (half_open_.size() > half_open_cap_)
-    shed(half_open_.front(), "the server holds the most connections not yet authenticated it "
-                             "keeps (kMaxHalfOpen, or half the open-file limit)");
+    make_room(half_open_.front(), "the server holds the most connections not yet authenticated it "
+                                  "keeps (kMaxHalfOpen, or half the open-file limit)");
 }
 
 void Server::Impl::on_accept(EventLoop&, int, void* data, uint32_t) {
   static_cast<Impl*>(data)->accept_all();
 }
 
+// Accepts up to kMaxAcceptsPerWakeup connections (until EAGAIN), then returns to the loop so that
+// the connections already accepted are served too; the listener is level-triggered, so the rest of
+// the backlog is accepted on the next wake-up.
 void Server::Impl::accept_all() {
-  for (;;) {
+  const uint64_t shed_before = shed_half_open_;
+  for (std::size_t accepted = 0; accepted < kMaxAcceptsPerWakeup; ++accepted) {
     sockaddr_storage ss{};
     socklen_t len = sizeof ss;
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
@@ -156,10 +170,14 @@ void Server::Impl::accept_all() {
     conns_.emplace(id, std::move(conn));
     ++accepted_;
     enter_half_open(added);
+    // Under a storm a client's handshake is in its socket before the server accepts it (sent as
+    // soon as the kernel completed the connect): serve it now, one read, so that the connection
+    // is not left counted as half-open while the backlog is accepted.
+    on_conn(added, kReadable);
     shed_half_open(added->peer_ip);
     // A shed connection's descriptor is closed when it is reaped, before the next poll: accept
     // the rest of the backlog then (the listener stays readable), not before.
-    if (!closing_.empty()) return;
+    if (shed_half_open_ != shed_before) return;
   }
 }
 
