@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,8 +21,21 @@ class SignalWakeup:
         self.sock, self._w = socket.socketpair()
         self.sock.setblocking(False)
         self._w.setblocking(False)
-        self._old: dict[int, Any] = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+        self.first: tuple[int, float] | None = None  # the first signal and when it came
+        self._old: dict[int, Any] = {sig: signal.signal(sig, self._came) for sig in signals}
         self._old_fd = signal.set_wakeup_fd(self._w.fileno())
+
+    def _came(self, sig: int, _frame: Any) -> None:
+        if self.first is None:
+            self.first = (sig, time.monotonic())
+
+    def grace_left(self, code: int, grace: float) -> float | None:
+        """When a signal came and the agent exits with a failure ``code`` (128 + its number, or
+        a worker's failure when the signal reached a worker first): the seconds left of ``grace``
+        since it came; else None."""
+        if self.first is None or code == 0:
+            return None
+        return self.first[1] + grace - time.monotonic()
 
     def pending(self) -> bool:
         """Whether a signal came (consumed: the caller gives up what it waits for)."""

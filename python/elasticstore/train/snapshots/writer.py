@@ -48,6 +48,7 @@ import torch.distributed as dist
 from .disk import DiskWriter
 from ..sharded import sharded_path
 from .errors import ShardedStateError, SnapshotSpaceError
+from .checkpoint_mark import mark
 from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
                          stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
@@ -158,6 +159,9 @@ class Snapshots:
         value = state() if callable(state) else state
         if self._rank is None:
             self._rank = this_rank()
+            if self.settings.directory is not None and self._disk is not None:  # for flush.py
+                mark(self.settings.directory, self.settings.local_rank, self._disk.directory,
+                     self._disk.keep, self.write_checkpoints)
         rank, world = self._rank
         # the last state held DTensors: look first (a state without them is taken as it is)
         sharded = self._sharded and sharded_path(value) is not None
