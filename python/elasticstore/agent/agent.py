@@ -88,8 +88,7 @@ class Agent:
         self._moves_seen = 0  # the handler's store_moves said already
         self._failures: list[Failure] = []
         self._platform = PlatformHooks()  # the file timer, the launcher's error file
-        self._shut = False
-        self._operator_stopped = False
+        self._shut = self._operator_stopped = False
         self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
         self._refused = False  # the run id had finished before this node's first round
         self._rdzv_thread: threading.Thread | None = None
@@ -166,6 +165,7 @@ class Agent:
             attempt, base, world = self._assign(info)
             t1, formed_at = self._clock(), time.time()
             self._start(info, attempt, base, world)
+            self._snapshots.replicate(info, attempt, self.s)  # the round's replica ring
             say_round(self.handler, info, base, world, self.s.nproc, t1 - t0, self._clock() - t1)
             assert self._group is not None
             self.events.round_formed(self.handler.round, self._rounds, info.rank,

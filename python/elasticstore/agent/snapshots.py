@@ -24,6 +24,10 @@ the death signal follows the thread that started the child, not the process, and
 lost before the reaper installs its handler; the end of a pipe cannot. Should the reaper itself be
 killed too (a SIGKILL of every process of the machine's user, the OOM killer), the next agent's
 start removes the directories whose lock nobody holds (``remove_stale``).
+
+Each round, ``replicate`` has the node's newest sharded snapshots copied to the next node of the
+round (a ring) and takes the previous node's into ``replicas/`` (``elasticstore.replicas``), so
+that the loss of a whole node costs at most about one step.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["ROOT_ENV", "SNAPSHOT_DIR_ENV", "SnapshotArea", "remove_stale", "skipped_checkpoints"]
 
@@ -142,6 +147,7 @@ class SnapshotArea:
         self.path: str | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._lock_fd: int | None = None
+        self._replicas: Any = None  # elasticstore.replicas.ReplicaService, from the first round
         remove_stale(root)
         creating = os.path.join(root, f"{CREATING}{uuid.uuid4().hex}")
         path = os.path.join(root, f"{PREFIX}{_safe(run_id)}.{uuid.uuid4().hex[:16]}")
@@ -169,8 +175,30 @@ class SnapshotArea:
         """What the workers get."""
         return {SNAPSHOT_DIR_ENV: self.path} if self.path is not None and self.snapshots else {}
 
+    def replicate(self, info: Any, attempt: int, settings: Any) -> None:
+        """The round's replica ring (``info``: the round's ``RendezvousInfo``: its store, this
+        node's rank among its nodes; ``settings``: the agent's). Whatever fails is said, never
+        raised: replicas are an addition, the job runs without them."""
+        from ..replicas import ReplicaService  # here: this file also runs as the reaper
+        from ..stores.native import read_token_file, resolve_token
+        from .logs import say
+
+        if not self.snapshots or self.path is None:
+            return
+        try:
+            if self._replicas is None:
+                token = (read_token_file(settings.token_file) if settings.token_file
+                         else resolve_token(None))
+                self._replicas = ReplicaService(self.path, settings.nproc, settings.host, token, say)
+            self._replicas.new_round(info.store, attempt, info.rank, info.world_size)
+        except Exception as err:
+            say(f"[elasticstore-run] no replicas of this node's snapshots: {type(err).__name__}: {err}")
+
     def close(self) -> None:
         """Removes the directory (the workers are stopped), then lets the reaper go."""
+        replicas, self._replicas = self._replicas, None
+        if replicas is not None:
+            replicas.close()  # first: nothing arrives in the directory while it is removed
         if self.path is not None:
             remove_tree(self.path)
             self.path = None

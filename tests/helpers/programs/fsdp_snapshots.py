@@ -6,13 +6,15 @@ Every run first restores (``Snapshots.restore(template=...)``) and writes what i
 ``full_tensor()``) to ``restored-<attempt>-<world>.pt``; then trains to ``--steps``, snapshotting
 every step and writing the full state after each step's snapshot to ``full-<step>.pt`` (rank 0).
 ``--kill-rank R --kill-at K``: rank R SIGKILLs itself in the first attempt after step K's
-snapshot. ``--ckpt DIR``: disk checkpoints (DCP) every ``--ckpt-every`` steps.
+snapshot. ``--ckpt DIR``: disk checkpoints (DCP) every ``--ckpt-every`` steps. ``--step-time S``:
+each step sleeps S seconds more (a test's time to act between steps).
 """
 
 import argparse
 import json
 import os
 import signal
+import time
 from typing import Any
 
 
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ckpt-every", type=int, default=1)
+    p.add_argument("--step-time", type=float, default=0.0)
     args = p.parse_args()
 
     import torch
@@ -89,6 +92,7 @@ def main() -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
+        time.sleep(args.step_time)
         snaps.snapshot(state, step)
         full = full_state(state())
         if rank == 0:

@@ -1,0 +1,203 @@
+"""The receiving side of replicas: a small TCP endpoint in the agent that places its ring
+predecessor's newest sharded snapshot files in ``<area>/replicas/``, where restore reads them.
+
+One transfer at a time, on one thread. The files are written under temporary names (reserved
+first: a memory file system without room refuses the transfer, never a half-written file), each
+checked once complete (a snapshot, sharded, of the announced step: ``peek``), and renamed into
+place only when the sender commits them. They are named by their writer's global rank
+(``replica_name``), so replicas of two senders never collide at one step of one world.
+
+What is kept, per sender (an agent's random id): the files of its two newest steps. A step that
+arrives replaces that sender's files of the same or newer steps (its workers went back to an
+older step: what it had sent past it is of another history). Other senders' files older than
+the step that arrived are removed: a node that left the ring (lost, or the ring changed) keeps
+its newest files here until the current predecessor has sent a newer step.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from ..train.snapshots.peek import peek, replica_name
+from .wire import (MAX_FILE_BYTES, MAX_FILES, NONCE_BYTES, PREAMBLE, CHUNK, IDLE_S, ReplicaError,
+                   deadline_for, mac, recv_frame, send_frame)
+
+__all__ = ["KEEP_STEPS", "REPLICAS", "Receiver"]
+
+REPLICAS = "replicas"  # sharded_restore.REPLICAS
+KEEP_STEPS = 2  # steps kept per sender
+_TMP = ".tmp.replica."
+
+
+def _ip(text: str) -> str:
+    addr = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+class Receiver:
+    """Serves ``<area>/replicas/`` on ``host`` (a free port: ``port``). ``token``: the run's
+    ("": none; then only the addresses given to ``allow`` may send)."""
+
+    def __init__(self, area: str, host: str, token: str,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        self.dir = os.path.join(area, REPLICAS)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._token, self._log = token, log
+        self._allowed: frozenset[str] = frozenset()
+        self._owner: dict[str, tuple[str, int]] = {}  # file name -> (sender, step)
+        self.received = 0  # transfers placed
+        self._stop = threading.Event()
+        try:
+            self._sock = socket.create_server((host, 0))
+        except OSError:  # a name for another interface: every interface (a token, or the allowlist)
+            self._sock = socket.create_server(("", 0))
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self._thread = threading.Thread(target=self._serve, name="replica-receiver", daemon=True)
+        self._thread.start()
+
+    def allow(self, addresses: set[str]) -> None:
+        """Without a token: the peer addresses that may send (the ring predecessor's)."""
+        self._allowed = frozenset(_ip(a) for a in addresses)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(IDLE_S + 5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._handle(conn, _ip(peer[0]))
+                except (OSError, ReplicaError, ValueError) as err:
+                    self._log(f"[elasticstore-run] replica from {peer[0]} not taken: {err}")
+
+    def _handle(self, conn: socket.socket, peer: str) -> None:
+        deadline = time.monotonic() + IDLE_S
+        if not self._token and peer not in self._allowed:
+            raise ReplicaError(f"{peer} is not this node's ring predecessor (no token is set)")
+        nonce = os.urandom(NONCE_BYTES)
+        conn.settimeout(IDLE_S)
+        conn.sendall(PREAMBLE + nonce)
+        head = recv_frame(conn, deadline)
+        sender, step, sizes = head.get("sender"), head.get("step"), head.get("sizes")
+        if self._token and not (isinstance(head.get("mac"), str) and
+                                _equal(head["mac"], mac(self._token, nonce))):
+            send_frame(conn, {"ok": False, "error": "authentication failed"}, deadline)
+            raise ReplicaError("the sender did not prove the run's token")
+        why = _bad_header(sender, step, sizes)
+        if why is None:
+            assert isinstance(sizes, list)
+            why = self._no_room(sum(sizes))
+        if why is not None:
+            send_frame(conn, {"ok": False, "error": why}, deadline)
+            raise ReplicaError(why)
+        assert isinstance(sender, str) and isinstance(step, int) and isinstance(sizes, list)
+        send_frame(conn, {"ok": True}, deadline)
+        tmps: list[str] = []
+        try:
+            deadline = deadline_for(sum(sizes))
+            for size in sizes:
+                tmps.append(os.path.join(self.dir, f"{_TMP}{uuid.uuid4().hex}"))
+                _receive_file(conn, tmps[-1], size, deadline)
+            if recv_frame(conn, deadline).get("commit") is not True:
+                raise ReplicaError(f"step {step}: the sender withdrew it (a file changed)")
+            try:
+                self._place(sender, step, tmps)
+            except ValueError as err:
+                send_frame(conn, {"ok": False, "error": str(err)}, deadline)
+                raise
+            send_frame(conn, {"ok": True}, deadline)
+        finally:
+            for tmp in tmps:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def _no_room(self, total: int) -> str | None:
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize
+        return None if total <= free else f"no room: {total} bytes, {free} free in {self.dir}"
+
+    def _place(self, sender: str, step: int, tmps: list[str]) -> None:
+        """Checks the files, renames them into place, applies what is kept (module doc)."""
+        names = []
+        for tmp in tmps:
+            found = peek(tmp)
+            if not found.sharded or found.step != step:
+                raise ValueError(f"{found} is not a sharded snapshot of step {step}")
+            names.append(replica_name(step, found.rank))
+        if len(set(names)) != len(names):
+            raise ValueError(f"step {step}: two files of one rank")
+        for name, (who, st) in list(self._owner.items()):
+            if who == sender and st >= step:
+                self._remove(name)
+        for tmp, name in zip(tmps, names):
+            os.rename(tmp, os.path.join(self.dir, name))
+            self._owner[name] = (sender, step)
+        steps = sorted({st for who, st in self._owner.values() if who == sender}, reverse=True)
+        for name, (who, st) in list(self._owner.items()):
+            if (who == sender and st not in steps[:KEEP_STEPS]) or (who != sender and st < step):
+                self._remove(name)
+        self.received += 1
+
+    def _remove(self, name: str) -> None:
+        self._owner.pop(name, None)
+        try:
+            os.unlink(os.path.join(self.dir, name))
+        except FileNotFoundError:
+            pass
+
+
+def _equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def _bad_header(sender: object, step: object, sizes: object) -> str | None:
+    if not (isinstance(sender, str) and 0 < len(sender) <= 64):
+        return f"a sender id that is not a short string: {sender!r:.80}"
+    if type(step) is not int or step < 0:
+        return f"a step that is not an integer >= 0: {step!r:.80}"
+    if not (isinstance(sizes, list) and 0 < len(sizes) <= MAX_FILES and
+            all(type(s) is int and 64 <= s <= MAX_FILE_BYTES for s in sizes)):
+        return f"file sizes that are not 1 to {MAX_FILES} integers in [64, {MAX_FILE_BYTES}]"
+    return None
+
+
+def _receive_file(conn: socket.socket, path: str, size: int, deadline: float) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # ENOSPC now, not a bus error for a reader later
+        buf = bytearray(min(CHUNK, size))
+        view, got = memoryview(buf), 0
+        while got < size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ReplicaError("the replica transfer ran past its time limit")
+            conn.settimeout(min(left, IDLE_S))
+            k = conn.recv_into(view, min(len(buf), size - got))
+            if k == 0:
+                raise ReplicaError(f"the sender closed the connection ({got} of {size} bytes)")
+            done = 0
+            while done < k:
+                done += os.write(fd, view[done:k])
+            got += k
+    finally:
+        os.close(fd)

@@ -1,0 +1,87 @@
+"""The agent's replica service: a receiver and a sender (one each per agent, for its whole run)
+and, each round, the ring: node ``i`` of the round's ``n`` nodes sends to node ``(i + 1) % n``.
+
+Each agent publishes its receiver's address in the round's store (``key``) once its workers
+started, then reads its successor's and its predecessor's (a bounded wait: they publish at the
+same moment, right after the round's worker counts). A round of one node has no ring: the
+sender idles and what the receiver holds stays (the replicas of a node just lost are what this
+node restores from).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .receiver import Receiver
+from .sender import Sender
+
+__all__ = ["LOOKUP_S", "ReplicaService", "key"]
+
+LOOKUP_S = 10.0  # waiting for the ring neighbours' addresses in the round's store
+_MAX_RECORD = 1024
+
+
+def key(attempt: int, node_rank: int) -> str:
+    return f"elasticstore/replicas/{attempt}/{node_rank}"
+
+
+def _parse(value: bytes, node: int) -> tuple[str, int]:
+    if len(value) > _MAX_RECORD:
+        raise ValueError(f"node {node}'s replica address is {len(value)} bytes")
+    try:
+        record = json.loads(value)
+        host, port = record["host"], record["port"]
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"node {node}'s replica address {value[:80]!r}: {err}") from None
+    if not (isinstance(host, str) and host and type(port) is int and 0 < port < 65536):
+        raise ValueError(f"node {node}'s replica address {value[:80]!r}")
+    return host, port
+
+
+class ReplicaService:
+    """Replicas of this node's sharded snapshots (``area``) on the ring successor, and of the
+    predecessor's here (``area/replicas/``). ``host``: this node's address (the receiver binds
+    it); ``token``: the run's ("" none)."""
+
+    def __init__(self, area: str, nproc: int, host: str, token: str,
+                 log: Callable[[str], None] = lambda _: None) -> None:
+        self.host, self._log = host, log
+        self.receiver = Receiver(area, host, token, log)
+        try:
+            self.sender = Sender(area, nproc, uuid.uuid4().hex, token, host, log)
+        except BaseException:
+            self.receiver.close()
+            raise
+
+    def new_round(self, store: Any, attempt: int, node_rank: int, nnodes: int) -> None:
+        """Publishes this receiver's address in the round's ``store``; points the sender at the
+        successor and lets the predecessor in. A neighbour that does not publish within
+        ``LOOKUP_S``: no replicas this round (said)."""
+        self.sender.set_target(None)
+        self.receiver.allow(set())
+        store.set(key(attempt, node_rank),
+                  json.dumps({"host": self.host, "port": self.receiver.port}))
+        if nnodes < 2:
+            return
+        succ, pred = (node_rank + 1) % nnodes, (node_rank - 1) % nnodes
+        names = [key(attempt, succ), key(attempt, pred)]
+        try:
+            store.wait(names, timedelta(seconds=LOOKUP_S))
+            (s_host, s_port), (p_host, _) = (
+                _parse(v, n) for v, n in zip(store.multi_get(names), (succ, pred)))
+            preds = {info[4][0] for info in socket.getaddrinfo(p_host, None)}
+        except Exception as err:  # the store's errors, a bad record, a name that does not resolve
+            self._log(f"[elasticstore-run] no replicas this round: the ring neighbours' "
+                      f"addresses ({type(err).__name__}: {err})")
+            return
+        self.receiver.allow({str(p) for p in preds})
+        self.sender.set_target((s_host, s_port))
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()

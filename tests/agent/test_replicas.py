@@ -1,0 +1,139 @@
+"""Replicas of sharded snapshots between two agents' endpoints (``elasticstore.replicas``), real
+sockets on loopback, real snapshot files: what lands where, what is kept, who is refused.
+
+- ``peek`` reads the identity that ``fileformat`` writes (and their constants agree).
+- A sender's newest complete step lands in the receiver's ``replicas/`` under its writers' global
+  ranks, byte for byte, renamed into place (no temporary file left); two steps are kept; a step
+  taken again replaces the sender's newer files (another history). A step not complete on every
+  local rank is not sent.
+- A wrong token, or (without a token) an address that is not the predecessor's: nothing lands.
+- Replicated (DDP) state is not replicated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elasticstore.replicas import Receiver, Sender
+from elasticstore.train.snapshots import fileformat
+from elasticstore.train.snapshots.identity import Identity
+from elasticstore.train.snapshots.peek import HEADER, MAGIC, NAME, peek
+
+HOST = "127.0.0.1"
+
+
+def write(area: str, step: int, local: int, rank: int, world: int, fill: float,
+          sharded: bool = True) -> str:
+    """A complete snapshot file as a worker leaves it (written under a temporary name, renamed)."""
+    ident = Identity(step, rank, world, False, sharded).to_dict()
+    enc = fileformat.prepare({"w": torch.full((1000,), fill), "note": "x"}, ident)
+    buf = fileformat.Buffer(os.path.join(area, fileformat.tmp_name(local)))
+    fileformat.encode(enc, step, buf)
+    path = os.path.join(area, fileformat.snapshot_name(step, local))
+    buf.rename(path)
+    buf.close()
+    return path
+
+
+def until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def held(receiver: Receiver) -> list[str]:
+    return sorted(os.listdir(receiver.dir))
+
+
+@pytest.fixture
+def areas(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    yield str(a), str(b)
+
+
+def test_peek_reads_what_fileformat_writes(tmp_path: Path) -> None:
+    assert (MAGIC, HEADER.format, NAME.pattern) == (
+        fileformat._MAGIC, fileformat._HEADER.format, fileformat._NAME.pattern)
+    path = write(str(tmp_path), 123456789, 1, 5, 8, 1.0)
+    got = peek(path)
+    assert (got.step, got.rank, got.world_size, got.sharded, got.replicated) == (
+        123456789, 5, 8, True, False)
+    assert got.size == os.path.getsize(path)
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"x" * 100)
+    with pytest.raises(ValueError, match="not a snapshot"):
+        peek(str(junk))
+
+
+def test_newest_step_lands_by_global_rank_and_two_are_kept(areas: tuple[str, str]) -> None:
+    a, b = areas
+    receiver = Receiver(b, HOST, "secret")
+    sender = Sender(a, 2, "node-a", "secret", HOST)
+    try:
+        write(a, 1, 0, 2, 4, 1.0)
+        write(a, 1, 1, 3, 4, 1.5)
+        write(a, 2, 0, 2, 4, 2.0)  # step 2 is not complete on this node yet: step 1 goes
+        sender.set_target((HOST, receiver.port))
+        until(lambda: held(receiver) == ["step-000000000001.local-2.snap",
+                                         "step-000000000001.local-3.snap"], "step 1")
+        for local, rank in ((0, 2), (1, 3)):
+            with open(os.path.join(a, fileformat.snapshot_name(1, local)), "rb") as f, \
+                    open(os.path.join(receiver.dir, f"step-000000000001.local-{rank}.snap"),
+                         "rb") as g:
+                assert f.read() == g.read()
+        write(a, 2, 1, 3, 4, 2.5)
+        until(lambda: len(held(receiver)) == 4, "step 2")
+        write(a, 3, 0, 2, 4, 3.0)
+        write(a, 3, 1, 3, 4, 3.5)
+        until(lambda: [n[:17] for n in held(receiver)] == ["step-000000000002"] * 2 +
+              ["step-000000000003"] * 2, "steps 2 and 3 only")
+        # the workers went back to step 1 and take step 2 again: the sender's step 3 is gone
+        for step in (2, 3):
+            for local in (0, 1):
+                os.unlink(os.path.join(a, fileformat.snapshot_name(step, local)))
+        write(a, 2, 0, 2, 4, 9.0)
+        write(a, 2, 1, 3, 4, 9.5)
+        until(lambda: held(receiver) == ["step-000000000002.local-2.snap",
+                                         "step-000000000002.local-3.snap"], "step 2 again")
+        _, _, state = fileformat.read_snapshot(
+            os.path.join(receiver.dir, "step-000000000002.local-3.snap"))
+        assert torch.equal(state["w"], torch.full((1000,), 9.5))
+        until(lambda: sender.sent == 4, "the sender's count")  # it counts once acknowledged
+        assert receiver.received == 4
+        assert sender.last_bytes == sum(
+            os.path.getsize(os.path.join(a, fileformat.snapshot_name(2, i))) for i in (0, 1))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("case", ["wrong token", "not the predecessor", "replicated state"])
+def test_nothing_lands_unless_it_should(areas: tuple[str, str], case: str) -> None:
+    a, b = areas
+    token = "" if case == "not the predecessor" else "secret"
+    receiver = Receiver(b, HOST, token)
+    sender = Sender(a, 1, "node-a", "other" if case == "wrong token" else token, HOST)
+    try:
+        receiver.allow({"127.0.0.9"})
+        write(a, 4, 0, 0, 2, 1.0, sharded=case != "replicated state")
+        sender.set_target((HOST, receiver.port))
+        time.sleep(1.0)
+        assert held(receiver) == [] and sender.sent == 0
+        if case == "not the predecessor":
+            receiver.allow({HOST})
+            until(lambda: held(receiver) == ["step-000000000004.local-0.snap"], "step 4")
+    finally:
+        sender.close()
+        receiver.close()

@@ -1,0 +1,87 @@
+"""A node lost under a sharded (FSDP2) job: the survivor resumes from memory, its own snapshots and
+the replica of the lost node's that its agent received (``elasticstore.replicas``), not from disk
+(there is no checkpoint directory), at the smaller world size, bit-identical.
+
+2 simulated nodes x 2 workers under elasticstore-run (``--nnodes 1:2``), a snapshot every step;
+after step 5 the node on 127.0.0.3 is SIGKILLed whole (its agent and every worker; its area's
+reaper is left to remove the area, as the node's memory would be gone); the node on 127.0.0.2
+resumes at world size 2 from step >= the last step every rank completed - 1, and the full state
+it restores (every DTensor's ``full_tensor()``) equals the one recorded at that step.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from agent_nodes import agents, free_port, node_flags, tree, until
+from paths import program
+
+from elasticstore.agent.snapshots import ROOT_ENV
+
+TRAIN = program("fsdp_snapshots.py")
+CONF = ["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1"]
+
+
+def full_steps(workdir: str) -> list[int]:
+    return sorted(int(m.group(1)) for p in glob.glob(os.path.join(workdir, "full-*.pt"))
+                  if (m := re.search(r"full-(\d+)\.pt$", p)))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow  # ~30-60 s on 2 shared cores
+@pytest.mark.timeout(240)
+def test_node_lost_survivor_resumes_from_memory_with_the_replica(tmp_path: Path,
+                                                                 shm_root: str) -> None:
+    workdir, port = str(tmp_path), free_port()
+    args = ["--dir", workdir, "--steps", "12", "--step-time", "0.2"]
+    env = {ROOT_ENV: shm_root}
+    with agents(workdir) as a:
+        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 2, *CONF), args, name="n1", env=env,
+                     script=TRAIN)
+        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 2, *CONF), args, name="n2", env=env,
+                     script=TRAIN)
+        until(lambda: os.path.exists(os.path.join(workdir, "restored-0-4.json")), 150,
+              "the workers at world size 4")
+        until(lambda: [s for s in full_steps(workdir) if s >= 5], 60, "step 5 at world size 4")
+        doomed = [p for p in tree(n2.pid) if "agent/snapshots.py" not in cmdline(p)]
+        for pid in doomed:  # the whole node at once (its area's reaper stays: memory lost)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert a.wait(n2, 10) == -signal.SIGKILL
+        time.sleep(0.5)  # a full-<step>.pt being written when the node died
+        last = max(full_steps(workdir))
+        code = a.wait(n1, 150)
+        out = a.output(n1)
+    assert code == 0, out[-4000:]
+    found = glob.glob(os.path.join(workdir, "restored-*-2.json"))
+    assert len(found) == 1, (found, out[-4000:])
+    with open(found[0]) as f:
+        got = json.load(f)
+    assert got is not None, out[-4000:]
+    assert got["step"] >= last - 1, (got, last)
+    assert got["sources"] == ["memory", "memory"], got  # the replica is in this node's memory
+    state = torch.load(found[0].replace(".json", ".pt"), weights_only=False)
+    want = torch.load(os.path.join(workdir, f"full-{got['step']}.pt"), weights_only=False)
+    assert sorted(state) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(state[key], value), key
+        else:
+            assert state[key] == value, key
