@@ -1,0 +1,265 @@
+"""The worker store's connection storm: N clients connect at once and pass one store barrier.
+
+    python benchmarks/storm.py [--sizes 4096,16384] [--runs 3] [--peers ...] [--somaxconn N]
+                               [--out benchmarks/results/storm] [--no-netns]
+
+Every client is driven by one C load generator (`storm.c`, one epoll thread, non-blocking
+connects from 127.0.0.2-9), speaking its peer's protocol byte for byte: connect, handshake, ADD a
+counter, the last one SETs a key, everyone WAITs on it. Each run gets a fresh server; peers take
+turns in rotating order. The run happens in a private network namespace (`unshare -n`, as root),
+so that the kernel's counters (`ListenOverflows`, `ListenDrops`, `TCPTimeouts`, ...) are this
+run's alone and `--somaxconn` changes nothing outside it; the process raises its open-file limit
+(soft to hard) before starting servers, which inherit it. After each storm the clients stay
+connected, idle, while the server's RSS is read: its memory per idle connection.
+
+Results: OUT.json and OUT.md (the machine named, each run's figures, the medians and the ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+import cbuild
+import machine
+import peers
+import procs
+from procs import ServerProc
+
+NETNS_FLAG = "ELASTICSTORE_STORM_NETNS"
+CLIENT_TIMEOUT_S = 60  # one storm; the whole run stays bounded
+COUNTERS = ("TcpExtListenOverflows", "TcpExtListenDrops", "TcpExtTCPTimeouts", "TcpExtTCPSynRetrans",
+            "TcpRetransSegs", "TcpExtTCPReqQFullDrop", "TcpExtSyncookiesSent", "TcpEstabResets")
+
+
+def storm_binary() -> str:
+    cc = os.environ.get("CC", "cc")
+    return cbuild.build("storm.c", "storm", [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-std=c11"])
+
+
+def start_echo() -> ServerProc:
+    return procs.start_server_process([storm_binary(), "echo", "--host", procs.HOST, "--port", "0"],
+                                      "storm echo")
+
+
+def start_ours() -> ServerProc:
+    binary = peers.native_server_binary()
+    if not binary:
+        raise SystemExit("storm: elasticstore-server is not installed next to this Python")
+    return procs.start_server_process([binary, "--host", procs.HOST, "--port", "0"], "elasticstore-server")
+
+
+def server_at(binary: str, what: str) -> Callable[[], ServerProc]:
+    return lambda: procs.start_server_process([binary, "--host", procs.HOST, "--port", "0"], what)
+
+
+# name -> (server, protocol the clients speak, what it is)
+PEERS: dict[str, tuple[Callable[[], ServerProc], str, str]] = {
+    "elasticstore": (start_ours, "native", "elasticstore-server, native protocol (HELLO)"),
+    "elasticstore/torch-protocol": (start_ours, "torch", "elasticstore-server, torch's TCPStore protocol"),
+    "tcpstore": (peers.start_tcpstore_server, "torch",
+                 "TCPStore(is_master=True, use_libuv=True) in a subprocess, torch's protocol"),
+    "echo": (start_echo, "echo", "storm.c's echo server: connect + one 32 B round trip, no store"),
+}
+
+
+def kernel_counters() -> dict[str, int]:
+    """The TCP counters of this network namespace (/proc/net/netstat and snmp, as nstat reads)."""
+    out: dict[str, int] = {}
+    for path in ("/proc/net/netstat", "/proc/net/snmp"):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for head, vals in zip(lines[::2], lines[1::2]):
+            prefix, names = head.split(":", 1)
+            for n, v in zip(names.split(), vals.split(":", 1)[1].split()):
+                out[prefix + n] = int(v)
+    return {k: out.get(k, 0) for k in COUNTERS}
+
+
+def enter_netns(argv: list[str]) -> None:
+    """Re-executes this script in a private network namespace with loopback up (once)."""
+    if os.environ.get(NETNS_FLAG) == "1":
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("storm: a private network namespace needs root (or pass --no-netns)")
+    env = dict(os.environ, **{NETNS_FLAG: "1"})
+    sys.stdout.flush()
+    os.execvpe("unshare", ["unshare", "-n", sys.executable, os.path.abspath(__file__)] + argv, env)
+
+
+def raise_fd_limit(need: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < need:
+        raise SystemExit(f"storm: open-file hard limit {hard} < {need} (clients + headroom)")
+    return hard
+
+
+def one_run(peer: str, n: int, key: str, batch: int) -> dict:
+    start, proto, _ = PEERS[peer]
+    srv = start()
+    try:
+        time.sleep(0.2)
+        rss0, cpu0, k0 = srv.rss(), srv.cpu_seconds(), kernel_counters()
+        client = subprocess.Popen(
+            [storm_binary(), "client", "--port", str(srv.port), "--clients", str(n), "--proto", proto,
+             "--key", key, "--batch", str(batch), "--timeout-s", str(CLIENT_TIMEOUT_S), "--hold", "1"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=procs.set_pdeathsig)
+        try:
+            assert client.stdout is not None and client.stdin is not None
+            line = client.stdout.readline()
+            k1, cpu1 = kernel_counters(), srv.cpu_seconds()
+            time.sleep(0.3)  # replies sent, idle: what the server keeps per connection
+            rss1 = srv.rss()
+            client.stdin.close()
+            client.wait(CLIENT_TIMEOUT_S + 30)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+        if not line:
+            raise RuntimeError(f"storm client for {peer} printed nothing (exit {client.returncode})")
+        r = json.loads(line)
+        r.update(peer=peer, server_cpu_s=round(cpu1 - cpu0, 3), server_rss_idle=rss0,
+                 server_rss_connected=rss1,
+                 rss_per_connection=round((rss1 - rss0) / max(r["done"], 1)),
+                 kernel={k: k1[k] - k0[k] for k in COUNTERS})
+        return r
+    finally:
+        srv.close()
+
+
+def summarize(runs: list[dict]) -> dict:
+    times = [r["all_done_ms"] for r in runs]
+    total = lambda k: sum(r[k] for r in runs)  # noqa: E731
+    return {
+        "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+        "unfinished": total("unfinished") + total("failed"),
+        "refused": total("refused"),
+        "reset": total("reset_at_connect") + total("reset_in_handshake") + total("closed_in_handshake"),
+        "retries": total("retries"),
+        "kernel": {k: statistics.median(r["kernel"][k] for r in runs) for k in COUNTERS},
+        "rss_per_connection": statistics.median(r["rss_per_connection"] for r in runs),
+    }
+
+
+def render(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [
+        f"# Connection storm (`benchmarks/storm.py`), {doc['date']}",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), {m['kernel']}, {m['mem_gib']} GiB; "
+        f"{doc['machine_note']}. Private network namespace: somaxconn {doc['somaxconn']}, "
+        f"tcp_max_syn_backlog {doc['max_syn_backlog']}; open-file limit {doc['fd_limit']}; "
+        f"1-min load {doc['load_before']} before, {doc['load_after']} after; {doc['runs']} runs "
+        "per cell, fresh server each, peers in rotating order.",
+        "",
+        f"Each client: non-blocking connect from 127.0.0.2-9 ({doc['batch'] or 'all'} connects "
+        "issued between two looks at the clients' events), its protocol's handshake, ADD a "
+        "counter, the last one SETs a key, all WAIT on it (echo: one 32 B round trip). Time: from "
+        "the first connect to the last client released. Kernel counters: medians per run.",
+        "",
+        "| clients | peer | all done, median (range) | vs tcpstore | vs echo | refused / reset / "
+        "retries (all runs) | ListenOverflows | ListenDrops | TCPTimeouts | server RSS per idle connection |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, cell in doc["summary"].items():
+        base = cell.get("tcpstore", {}).get("median_ms")
+        echo = cell.get("echo", {}).get("median_ms")
+        for peer, s in cell.items():
+            vs_t = f"{s['median_ms'] / base:.2f}x" if base else ""
+            vs_e = f"{s['median_ms'] / echo:.2f}x" if echo else ""
+            unf = f" ({s['unfinished']} unfinished)" if s["unfinished"] else ""
+            k = s["kernel"]
+            rss = f"{s['rss_per_connection'] / 1024:.1f} KiB" if peer != "echo" else ""
+            lines.append(
+                f"| {n} | {peer} | {s['median_ms']:.0f} ms ({s['min_ms']:.0f}-{s['max_ms']:.0f}){unf} | "
+                f"{vs_t} | {vs_e} | {s['refused']} / {s['reset']} / {s['retries']} | "
+                f"{k['TcpExtListenOverflows']:.0f} | {k['TcpExtListenDrops']:.0f} | "
+                f"{k['TcpExtTCPTimeouts']:.0f} | {rss} |")
+    lines += ["", "Peers:", ""]
+    lines += [f"- `{p}`: {PEERS[p][2]}" for p in doc["peers"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="4096,16384")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--somaxconn", type=int, default=0, help="set in the private namespace (0: as is)")
+    ap.add_argument("--out", default=os.path.join(procs.HERE, "results", "storm"))
+    ap.add_argument("--machine-note", default="", help="named in the results (e.g. shared 2-core VM)")
+    ap.add_argument("--batch", type=int, default=64,
+                    help="connects issued between two looks at the clients' events (0: all at once; "
+                         "then clients send their handshake only once every connect is issued)")
+    ap.add_argument("--no-netns", action="store_true")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=BINARY",
+                    help="another elasticstore-server build as peer NAME (native protocol), e.g. "
+                         "an earlier commit's, measured in the same run")
+    args = ap.parse_args(argv)
+    for spec in args.also:
+        name, _, binary = spec.partition("=")
+        if not name or not os.access(binary, os.X_OK):
+            raise SystemExit(f"storm: --also {spec!r}: want NAME=BINARY (an executable)")
+        PEERS[name] = (server_at(binary, name), "native", f"`{binary}`, native protocol")
+        args.peers += "," + name
+    sizes = [int(x) for x in args.sizes.split(",")]
+    names = args.peers.split(",")
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"storm: unknown peers {unknown} (known: {', '.join(PEERS)})")
+    if not args.no_netns:
+        enter_netns(argv)
+    if args.somaxconn:
+        with open("/proc/sys/net/core/somaxconn", "w") as f:
+            f.write(str(args.somaxconn))
+    fd_limit = raise_fd_limit(max(sizes) + 256)
+    procs.install_sigterm_handler()
+    storm_binary()
+    read = lambda p: open(p).read().strip()  # noqa: E731
+    doc: dict = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine.machine(), "machine_note": args.machine_note or "shared machine",
+        "somaxconn": int(read("/proc/sys/net/core/somaxconn")),
+        "max_syn_backlog": int(read("/proc/sys/net/ipv4/tcp_max_syn_backlog")),
+        "fd_limit": fd_limit, "runs": args.runs, "batch": args.batch, "peers": names,
+        "load_before": round(os.getloadavg()[0], 2), "results": [],
+    }
+    for n in sizes:
+        for i in range(args.runs):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for peer in order:
+                r = one_run(peer, n, f"storm{i}", args.batch or n)
+                doc["results"].append(r)
+                print(f"{n:6d} {peer:28s} {r['all_done_ms']:8.1f} ms  refused {r['refused']} "
+                      f"reset {r['reset_in_handshake'] + r['reset_at_connect'] + r['closed_in_handshake']} "
+                      f"retries {r['retries']} unfinished {r['unfinished'] + r['failed']} "
+                      f"overflows {r['kernel']['TcpExtListenOverflows']} "
+                      f"timeouts {r['kernel']['TcpExtTCPTimeouts']}", flush=True)
+    doc["load_after"] = round(os.getloadavg()[0], 2)
+    doc["summary"] = {
+        str(n): {p: summarize([r for r in doc["results"] if r["clients"] == n and r["peer"] == p])
+                 for p in names}
+        for n in sizes
+    }
+    with open(args.out + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(render(doc))
+    print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
