@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <stdexcept>
@@ -39,7 +40,7 @@ int default_backlog() {
     if (std::fscanf(f, "%d", &v) != 1) v = 0;
     std::fclose(f);
   }
-  return v > 0 ? v : SOMAXCONN;
+  return v > 0 ? std::min(v, kMaxListenBacklog) : SOMAXCONN;
 }
 
 }  // namespace
