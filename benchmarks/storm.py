@@ -84,6 +84,16 @@ def kernel_counters() -> dict[str, int]:
     return {k: out.get(k, 0) for k in COUNTERS}
 
 
+def tcp_mem_pages() -> int:
+    """Pages the kernel holds for TCP socket buffers in this namespace (/proc/net/sockstat)."""
+    with open("/proc/net/sockstat") as f:
+        for line in f:
+            if line.startswith("TCP:"):
+                fields = line.split()
+                return int(fields[fields.index("mem") + 1])
+    return 0
+
+
 def enter_netns(argv: list[str]) -> None:
     """Re-executes this script in a private network namespace with loopback up (once)."""
     if os.environ.get(NETNS_FLAG) == "1":
@@ -110,7 +120,7 @@ def one_run(peer: str, n: int, key: str, batch: int) -> dict:
     srv = start()
     try:
         time.sleep(0.2)
-        rss0, cpu0, k0 = srv.rss(), srv.cpu_seconds(), kernel_counters()
+        rss0, cpu0, k0, mem0 = srv.rss(), srv.cpu_seconds(), kernel_counters(), tcp_mem_pages()
         client = subprocess.Popen(
             [storm_binary(), "client", "--port", str(srv.port), "--clients", str(n), "--proto", proto,
              "--key", key, "--batch", str(batch), "--timeout-s", str(CLIENT_TIMEOUT_S), "--hold", "1"],
@@ -120,7 +130,7 @@ def one_run(peer: str, n: int, key: str, batch: int) -> dict:
             line = client.stdout.readline()
             k1, cpu1 = kernel_counters(), srv.cpu_seconds()
             time.sleep(0.3)  # replies sent, idle: what the server keeps per connection
-            rss1 = srv.rss()
+            rss1, mem1 = srv.rss(), tcp_mem_pages()
             client.stdin.close()
             client.wait(CLIENT_TIMEOUT_S + 30)
         finally:
@@ -133,6 +143,7 @@ def one_run(peer: str, n: int, key: str, batch: int) -> dict:
         r.update(peer=peer, server_cpu_s=round(cpu1 - cpu0, 3), server_rss_idle=rss0,
                  server_rss_connected=rss1,
                  rss_per_connection=round((rss1 - rss0) / max(r["done"], 1)),
+                 tcp_mem_pages_connected=mem1 - mem0,
                  kernel={k: k1[k] - k0[k] for k in COUNTERS})
         return r
     finally:
@@ -161,6 +172,7 @@ def render(doc: dict) -> str:
         f"Machine: {m['cores']} cores ({m['cpu']}), {m['kernel']}, {m['mem_gib']} GiB; "
         f"{doc['machine_note']}. Private network namespace: somaxconn {doc['somaxconn']}, "
         f"tcp_max_syn_backlog {doc['max_syn_backlog']}; open-file limit {doc['fd_limit']}; "
+        f"nice {doc['nice']}; "
         f"1-min load {doc['load_before']} before, {doc['load_after']} after; {doc['runs']} runs "
         "per cell, fresh server each, peers in rotating order.",
         "",
@@ -200,9 +212,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--somaxconn", type=int, default=0, help="set in the private namespace (0: as is)")
     ap.add_argument("--out", default=os.path.join(procs.HERE, "results", "storm"))
     ap.add_argument("--machine-note", default="", help="named in the results (e.g. shared 2-core VM)")
-    ap.add_argument("--batch", type=int, default=64,
+    ap.add_argument("--batch", type=int, default=0,
                     help="connects issued between two looks at the clients' events (0: all at once; "
-                         "then clients send their handshake only once every connect is issued)")
+                         "a client whose connect completed within the call sends its handshake at once)")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="run servers and clients at this nice value (negative: root; a shared "
+                         "machine's other load then delays them less)")
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=BINARY",
                     help="another elasticstore-server build as peer NAME (native protocol), e.g. "
@@ -224,6 +239,8 @@ def main(argv: list[str]) -> int:
     if args.somaxconn:
         with open("/proc/sys/net/core/somaxconn", "w") as f:
             f.write(str(args.somaxconn))
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # inherited by the servers and clients
     fd_limit = raise_fd_limit(max(sizes) + 256)
     procs.install_sigterm_handler()
     storm_binary()
@@ -233,7 +250,7 @@ def main(argv: list[str]) -> int:
         "machine": machine.machine(), "machine_note": args.machine_note or "shared machine",
         "somaxconn": int(read("/proc/sys/net/core/somaxconn")),
         "max_syn_backlog": int(read("/proc/sys/net/ipv4/tcp_max_syn_backlog")),
-        "fd_limit": fd_limit, "runs": args.runs, "batch": args.batch, "peers": names,
+        "fd_limit": fd_limit, "nice": args.nice, "runs": args.runs, "batch": args.batch, "peers": names,
         "load_before": round(os.getloadavg()[0], 2), "results": [],
     }
     for n in sizes:
