@@ -135,7 +135,7 @@ class Agent:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()
             self._hangs.close()
-            self._snapshots.close()
+            self._snapshots.close(self._wakeup.grace_left(code, self.s.shutdown_timeout))
             self._platform.close()
             # The last status while the rendezvous connection is ours (no rendezvous thread uses it).
             if not self._shut and not self._refused and not (

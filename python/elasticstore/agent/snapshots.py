@@ -194,11 +194,17 @@ class SnapshotArea:
         except Exception as err:
             say(f"[elasticstore-run] no replicas of this node's snapshots: {type(err).__name__}: {err}")
 
-    def close(self) -> None:
-        """Removes the directory (the workers are stopped), then lets the reaper go."""
+    def close(self, flush_within: float | None = None) -> None:
+        """Removes the directory (the workers are stopped), then lets the reaper go.
+        ``flush_within``: stopped by a signal, this many seconds are left of the grace period
+        for writing the newest snapshot to the checkpoint directory first (``preempt_flush.py``)."""
         replicas, self._replicas = self._replicas, None
         if replicas is not None:
             replicas.close()  # first: nothing arrives in the directory while it is removed
+        if flush_within is not None and self.path is not None and self.snapshots:
+            from .preempt_flush import flush_newest  # here: this file also runs as the reaper
+
+            flush_newest(self.path, flush_within)
         if self.path is not None:
             remove_tree(self.path)
             self.path = None

@@ -51,6 +51,11 @@ def flush(area: str) -> int:
         return 0
     step = snaps[-1][0]
     files = {lr: p for s, lr, p in snaps if s == step and lr in where}
+    if files and _sharded(files[min(files)]):  # every local rank's shard of one step
+        held = [{s for s, r, _ in snaps if r == lr} for lr in where]
+        common = set.intersection(*held)
+        step = max(common, default=-1)
+        files = {lr: p for s, lr, p in snaps if s == step and lr in where}
     if not files:
         _say(f"at the signal: the newest snapshot (step {step}) has no checkpoint directory: "
              "nothing written")
@@ -66,6 +71,16 @@ def flush(area: str) -> int:
         _say(f"at the signal: the snapshot of step {step} written to {done} "
              f"({time.monotonic() - started:.1f} s)")
     return 0
+
+
+def _sharded(path: str) -> bool:
+    from .fileformat import read_snapshot
+    from .identity import Identity
+
+    try:
+        return Identity.from_dict(read_snapshot(path, clone=False)[1]).sharded
+    except (OSError, ValueError, EOFError, RuntimeError):
+        return False
 
 
 def _write(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | None:
