@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +33,8 @@ TRAIN = os.path.join(PROGRAMS, "slurm_train.py")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[slurm_cluster.Cluster]:
-    with slurm_cluster.running(3, CRED_EXPIRE="5") as c:  # a requeued job starts 5 s later
+    # a requeued job starts 5 s later; SIGKILL 30 s after a requeue's SIGTERM (Slurm's default)
+    with slurm_cluster.running(3, CRED_EXPIRE="5", KILL_WAIT="30") as c:
         yield c
 
 
@@ -118,6 +120,63 @@ def test_zero_config_srun_runs_one_job_across_the_allocation_and_resumes_after_a
                 f"--rdzv-endpoint n1:{29400 + int(job)},n2:{29400 + int(job)} --local-addr {addr}") in out, out
     back = min(float(r["t"]) for r in recs if r["slurm_restart"] == 1) - requeued  # type: ignore[arg-type]
     print(f"from the preemption to training again: {back:.1f} s")
+
+
+@pytest.mark.slow  # ~60 s: a 2-node job of 4 workers, signalled (requeued) once while training
+def test_the_newest_snapshot_goes_to_disk_at_the_signal_and_the_requeued_job_resumes_from_it(
+        cluster: slurm_cluster.Cluster, jobdir: str) -> None:
+    # disk checkpoints every 1000 steps: none is due in this run, only the write at the signal
+    # can give the requeued run a step to resume from. The time-limit pattern of docs/slurm.md:
+    # USR1 to the batch shell requeues the job; Slurm then sends SIGTERM to the step.
+    ckpt = os.path.join(jobdir, "ckpt")
+    body = (f"trap 'scontrol requeue \"$SLURM_JOB_ID\"' USR1\n"
+            f"srun --ntasks-per-node=1 {RUN} --nproc-per-node 2 --shutdown-timeout 25 {TRAIN} "
+            f"--dir {jobdir} --steps 30 --sleep 0.3 --snapshots {ckpt} --checkpoint-every 1000 &\n"
+            "until wait; do :; done\n")
+    job = cluster.sbatch(f"#!/bin/bash\n{body}", "-N", "2", "--requeue", "--open-mode=append",
+                         cwd=jobdir)
+    started(jobdir, 4, 3)
+    signalled = time.time()
+    cluster.call("scancel", "--signal=USR1", "--batch", job)
+    info = cluster.wait_job(job, timeout=180)
+    out = output(jobdir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
+    terms = []
+    for name in glob.glob(os.path.join(jobdir, "term-*.json")):
+        with open(name) as f:
+            terms.append(json.load(f))
+    assert terms and all(float(t["t"]) >= signalled - 1 for t in terms), (terms, out)
+    at_signal = max(int(t["step"]) for t in terms)
+    recs = records(jobdir)
+    second = [r for r in recs if r["slurm_restart"] == 1]
+    assert {r["source"] for r in second} == {"disk"}, (second[:4], out)
+    first = min(int(r["step"]) for r in second)  # type: ignore[call-overload]
+    assert at_signal <= first <= at_signal + 1, (at_signal, first, out)  # restored >= at_signal - 1
+    assert max(int(r["step"]) for r in recs) == 30  # type: ignore[call-overload]
+    assert f"at the signal: the snapshot of step {first - 1} written to {ckpt}/ckpt-" in out, out
+    back = min(float(r["t"]) for r in second) - signalled  # type: ignore[arg-type]
+    print(f"signalled at step {at_signal}, resumed from disk at step {first}; "
+          f"from the signal to training again: {back:.1f} s")
+
+
+@pytest.mark.slow  # ~30 s: salloc for 2 nodes, one srun of 4 gloo workers
+def test_zero_config_srun_inside_an_salloc_allocation(cluster: slurm_cluster.Cluster,
+                                                      jobdir: str) -> None:
+    # salloc runs its command where it is called (the cluster's head, as a login node); srun
+    # starts one elasticstore-run a node, with no rendezvous flags
+    done = subprocess.run(
+        [cluster.bin("salloc"), "-N", "2", "srun", "--ntasks-per-node=1", RUN, "--nproc-per-node", "2",
+         TRAIN, "--dir", jobdir, "--steps", "3", "--sleep", "0.1"],
+        env=cluster.env, cwd=jobdir, capture_output=True, text=True, timeout=240, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    recs = records(jobdir)
+    assert recs and {r["world"] for r in recs} == {4}, (recs, out)
+    assert {r["rank"] for r in recs} == {0, 1, 2, 3}
+    assert {(r["host"], r["node_rank"]) for r in recs} in ({("n1", 0), ("n2", 1)},
+                                                           {("n1", 1), ("n2", 0)}), recs
+    assert max(int(r["step"]) for r in recs) == 3  # type: ignore[call-overload]
+    assert "from Slurm (step " in out and " on 2 node(s), n1): --rdzv-id " in out, out
 
 
 def started(directory: str, world: int, step: int) -> dict[str, object]:

@@ -1,0 +1,175 @@
+"""The newest snapshot written to the checkpoint directory when the agent is signalled to stop
+(``agent/preempt_flush.py``, ``train/snapshots/flush.py``), without a Slurm cluster: the agent
+gets SIGTERM as Slurm sends it (preemption, requeue, time limit, ``scancel``). Checked through
+what users see: the exit code, the agent's line, the checkpoint files that ``load_checkpoint``
+and ``Snapshots.restore`` read. On a real Slurm cluster, with a requeue:
+``test_slurm_cluster.py``."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from paths import PROGRAMS
+
+from elasticstore.agent.preempt_flush import flush_newest
+from elasticstore.train import SnapshotSettings, Snapshots
+from elasticstore.train.checkpoint import list_checkpoints, load_checkpoint
+
+RUN = os.path.join(os.path.dirname(sys.executable), "elasticstore-run")
+TRAIN = os.path.join(PROGRAMS, "slurm_train.py")
+
+
+def _steps(directory: str) -> list[int]:
+    out = []
+    for name in glob.glob(os.path.join(directory, "rec-*.jsonl")):
+        with open(name) as f:
+            out += [int(json.loads(line)["step"]) for line in f if line.endswith("\n")]
+    return out
+
+
+def _run(tmp: str, shutdown: int, pause: float) -> tuple[int, str]:
+    """``elasticstore-run`` of 2 workers snapshotting every step (disk checkpoints every 1000
+    steps: only step 0's is due), SIGTERMed once past step 2; its exit code and output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    with open(os.path.join(tmp, "out.txt"), "w+") as out:
+        proc = subprocess.Popen(
+            [RUN, "--standalone", "--nproc-per-node", "2", "--shutdown-timeout", str(shutdown), TRAIN,
+             "--dir", tmp, "--steps", "100000", "--sleep", str(pause), "--snapshots",
+             os.path.join(tmp, "ckpt"), "--checkpoint-every", "1000"],
+            stdout=out, stderr=subprocess.STDOUT, cwd=tmp, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while max(_steps(tmp), default=-1) < 2 and proc.poll() is None:
+                assert time.monotonic() < deadline, "no step 2 within 240 s"
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        return rc, out.read()
+
+
+def _term_step(tmp: str) -> int:
+    steps = []
+    for name in glob.glob(os.path.join(tmp, "term-*.json")):
+        with open(name) as f:
+            steps.append(int(json.load(f)["step"]))
+    assert steps, "no worker recorded the SIGTERM"
+    return max(steps)
+
+
+@pytest.mark.slow  # ~15 s (torch imported by the workers and by the flush)
+def test_sigterm_writes_the_newest_snapshot_to_the_checkpoint_directory(tmp_path: str) -> None:
+    tmp = str(tmp_path)
+    rc, out = _run(tmp, shutdown=120, pause=0.2)
+    assert rc == 143, out
+    step = _term_step(tmp)  # the workers' last step: its snapshot taken before they exited
+    ckpt = os.path.join(tmp, "ckpt")
+    assert f"at the signal: the snapshot of step {step} written to {ckpt}/ckpt-{step:012d}.pt" in out, out
+    assert [s for s, _ in list_checkpoints(ckpt)] == [0, step]  # step 0: the periodic one
+    loaded = load_checkpoint(ckpt)
+    assert loaded is not None and loaded.step == step and loaded.state["step"] == step
+    assert loaded.meta["step"] == step and loaded.meta["replicated"] is True
+    assert sorted(os.listdir(ckpt)) == [f"ckpt-{0:012d}.pt", f"ckpt-{step:012d}.pt"]  # no tmp left
+
+
+@pytest.mark.slow  # ~15 s
+def test_no_time_left_of_the_grace_period_writes_nothing(tmp_path: str) -> None:
+    # a worker finishes its step (3 s) before it exits: SIGKILLed at --shutdown-timeout 1, which
+    # leaves nothing of the grace period for the write
+    tmp = str(tmp_path)
+    rc, out = _run(tmp, shutdown=1, pause=3.0)
+    assert rc == 143, out
+    assert "no time left of --shutdown-timeout to write the newest snapshot" in out, out
+    assert [s for s, _ in list_checkpoints(os.path.join(tmp, "ckpt"))] == [0]
+
+
+def test_a_write_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path: Path) -> None:
+    # a node's snapshot area as a worker leaves it (steps 0-5, a disk checkpoint of step 0):
+    # 0.2 s is less than the flush process needs to start (it imports torch): killed, the
+    # checkpoint of step 0 alone and no temporary file; with time enough, step 5 is written
+    area, ckpt = str(tmp_path / "area"), str(tmp_path / "ckpt")
+    os.mkdir(area)
+    import torch
+
+    with Snapshots(every=1, checkpoint_dir=ckpt, checkpoint_every=1000,
+                   settings=SnapshotSettings(area, 0)) as snaps:
+        for step in range(6):
+            snaps.snapshot({"step": step, "w": torch.full((64,), float(step))}, step)
+    assert [s for s, _ in list_checkpoints(ckpt)] == [0]
+    started = time.monotonic()
+    assert flush_newest(area, 0.2) is False
+    assert time.monotonic() - started < 10
+    assert os.listdir(ckpt) == [f"ckpt-{0:012d}.pt"]
+    assert flush_newest(area, 120) is True
+    assert [s for s, _ in list_checkpoints(ckpt)] == [0, 5]
+    loaded = load_checkpoint(ckpt)
+    assert loaded is not None and loaded.step == 5 and torch.equal(loaded.state["w"], torch.full((64,), 5.0))
+
+
+FSDP = os.path.join(PROGRAMS, "fsdp_snapshots.py")
+
+
+@pytest.mark.slow  # ~40 s: two FSDP2 runs of 2 gloo workers
+def test_sigterm_writes_every_ranks_shard_of_sharded_state_and_a_new_job_resumes_from_it(
+        tmp_path: str) -> None:
+    # FSDP2 (DTensors): DCP checkpoints every 1000 steps, so only the write at the signal can put
+    # a step past 0 on disk; the workers die of the SIGTERM (no handler)
+    tmp, env = str(tmp_path), {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    ckpt = os.path.join(tmp, "ckpt")
+
+    def run(steps: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [RUN, "--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "120", FSDP,
+             "--dir", tmp, "--steps", str(steps), "--step-time", "0.3", "--ckpt", ckpt,
+             "--ckpt-every", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp,
+            env=env, start_new_session=True)
+
+    proc = run(100000)
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(tmp, "full-3.pt")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 3 within 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=240)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, out
+    last = max(int(n[5:-3]) for n in os.listdir(tmp) if n.startswith("full-"))
+    done = sorted(n for n in os.listdir(ckpt) if n.startswith("dcp-step-"))
+    assert done and int(done[-1][9:]) >= last - 1, (done, last, out)
+    step = int(done[-1][9:])
+    assert f"at the signal: the snapshot of step {step} written to {ckpt}/{done[-1]}" in out, out
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")], os.listdir(ckpt)
+    # a new job (a fresh agent: nothing in memory) resumes from it, the state bit-identical
+    again = run(step)
+    out = again.communicate(timeout=240)[0].decode()
+    assert again.returncode == 0, out
+    with open(os.path.join(tmp, "restored-0-2.json")) as f:
+        got = json.load(f)
+    assert got["step"] == step and set(got["sources"]) == {"disk"}, got
+    import torch
+
+    have = torch.load(os.path.join(tmp, "restored-0-2.pt"))
+    try:  # rank 0 saves full-<step>.pt after the step's snapshot: the SIGTERM may have cut it
+        want = torch.load(os.path.join(tmp, f"full-{step}.pt"))
+    except (OSError, RuntimeError, EOFError):
+        assert step >= last, f"full-{step}.pt unreadable"
+        return
+    assert want.keys() == have.keys() and all(
+        torch.equal(want[k], have[k]) if isinstance(want[k], torch.Tensor) else want[k] == have[k]
+        for k in want), "the state resumed from the checkpoint differs from the one at its step"
