@@ -29,6 +29,8 @@ __all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher", "await_round"]
 log = logging.getLogger(__name__)
 
 _UNWATCHED_POLL = 30.0  # s: a ring watcher's watch bound where no beat is judged (etcd)
+CATCH_UP = 64  # events a decider takes one by one before it reads the run's keys again (at
+# least; a sixteenth of the keys it read: the reads stay O(1) per event)
 
 
 def _names(keys: list[str]) -> set[str]:
@@ -50,10 +52,13 @@ class Decider:
     ) -> None:
         self._b, self._k, self._s = backend, keys, settings
         self._target, self._deadline, self._on_deadline = target, deadline, on_deadline
+        self._min_since: float | None = None  # kept across passes: the last call goes on
 
     def run(self) -> RoundState:
         try:
-            for _ in range(1000):  # a pass per compacted watch or lost compare-and-set
+            # A pass per compacted watch, lost compare-and-set or catch-up (CATCH_UP); each
+            # reads the run's keys again, and the deadline bounds them all.
+            for _ in range(1 << 20):
                 state = self._form()
                 if state is not None:
                     return state
@@ -71,14 +76,20 @@ class Decider:
         alive = _names(b.list(k.alive_prefix))
         joined = _names(b.list(k.join_prefix(target)))
         restart = b.get(k.restart(target - 1)) is not None if prev else False
+        if b.get(k.closed) is not None:  # set while a pass's events were skipped
+            raise RendezvousClosedError(f"rendezvous {s.run_id!r} closed")
         expect, expect_until, quorum = self._quorum(prev)
-        min_since: float | None = None
         join_prefix, restart_key = k.join_prefix(target), k.restart(target - 1)
+        # Past this many events in one pass, the keys are read again instead: one watch per
+        # event lags behind a join storm of thousands (a round trip and, in a busy process, a
+        # wait for the interpreter each), while two lists jump over the whole backlog.
+        catch_up, events = max(CATCH_UP, (len(alive) + len(joined)) // 16), 0
         while True:
             now = time.monotonic()
             if now >= self._deadline:
                 self._late(prev, frozenset(joined), quorum)
-            min_since = decisions.update_min_since(min_since, len(joined), s.min_nodes, now)
+            min_since = self._min_since = decisions.update_min_since(
+                self._min_since, len(joined), s.min_nodes, now)
             view = decisions.View(
                 target, prev, frozenset(alive), frozenset(joined), restart, min_since, now,
                 expect, expect_until, quorum,
@@ -102,6 +113,9 @@ class Decider:
                 return None
             if event is None:
                 continue
+            events += 1
+            if events > catch_up:
+                return None  # read again: the next pass starts from the current revision
             rev = event.version
             name = event.key.rsplit("/", 1)[-1]
             if event.key.startswith(k.alive_prefix):
@@ -231,8 +245,9 @@ class DeciderCheck:
     silent session open (native: the decider's session-bound ``ctl/decider/T`` would outlive a
     SIGSTOP, a partition or a power loss, and the others would wait until ``join_timeout``).
 
-    One waiting node checks: the one that created the session-bound ``ctl/check/T`` (the others
-    claim it again, :meth:`claim`, when its delete comes as an event), so a thousand waiting
+    One waiting node checks: the one that created the session-bound ``ctl/check/T`` once it had
+    waited ``ttl/4`` (the others claim it again, :meth:`claim`, when its delete comes as an
+    event; a round formed sooner costs no claim), so a thousand waiting
     nodes cost the store and their process no more than one. Every ``ttl/4`` seconds
     (:meth:`due`), :meth:`check` reads who decides and that node's beat count, which its
     heartbeat rewrites every ``ttl/3``. Unchanged (or missing) for ``ttl`` seconds: the decider
@@ -249,13 +264,16 @@ class DeciderCheck:
         self._seen: tuple[bytes | None, bytes | None] | None = None  # (decider, its beat count)
         self._since = 0.0
         self._mine = False
-        self.claim()
+        # Claimed once the wait lasted a period (the first check was due then anyway): a round
+        # that forms sooner costs no call, and no event that wakes every waiting node.
+        self._claim_at: float | None = time.monotonic() + self._period
 
     def claim(self) -> None:
-        """Becomes the round's checker unless another node is."""
+        """Becomes the round's checker unless another node is; its first check is due now."""
         if not self._mine:
+            self._claim_at = None
             self._mine = self._b.create(self._k.check(self._target), self._node, ephemeral=True)
-            self._next = time.monotonic() + self._period
+            self._next = time.monotonic()
 
     def release(self) -> None:
         """Leaves the check to another waiting node (this one decides, or stops waiting)."""
@@ -264,12 +282,15 @@ class DeciderCheck:
             self._b.delete(self._k.check(self._target))
 
     def due(self) -> float | None:
-        """Seconds until the next check; None when another node checks."""
-        return max(0.0, self._next - time.monotonic()) if self._mine else None
+        """Seconds until the next check (or the claim); None when another node checks."""
+        at = self._next if self._mine else self._claim_at
+        return None if at is None else max(0.0, at - time.monotonic())
 
     def check(self) -> bool:
         """True when a silent decider was removed (a no-op before the next check is due)."""
         now = time.monotonic()
+        if not self._mine and self._claim_at is not None and now >= self._claim_at:
+            self.claim()
         if not self._mine or now < self._next:
             return False
         self._next = now + self._period
