@@ -69,7 +69,7 @@ def _term_step(tmp: str) -> int:
     return max(steps)
 
 
-@pytest.mark.slow  # ~15 s (torch imported by the workers and by the flush)
+@pytest.mark.slow  # ~15-45 s (torch imported by the workers and by the flush; a loaded machine)
 def test_sigterm_writes_the_newest_snapshot_to_the_checkpoint_directory(tmp_path: str) -> None:
     tmp = str(tmp_path)
     rc, out = _run(tmp, shutdown=120, pause=0.2)
@@ -84,7 +84,7 @@ def test_sigterm_writes_the_newest_snapshot_to_the_checkpoint_directory(tmp_path
     assert sorted(os.listdir(ckpt)) == [f"ckpt-{0:012d}.pt", f"ckpt-{step:012d}.pt"]  # no tmp left
 
 
-@pytest.mark.slow  # ~15 s
+@pytest.mark.slow  # ~15-35 s
 def test_no_time_left_of_the_grace_period_writes_nothing(tmp_path: str) -> None:
     # a worker finishes its step (3 s) before it exits: SIGKILLed at --shutdown-timeout 1, which
     # leaves nothing of the grace period for the write
@@ -95,6 +95,7 @@ def test_no_time_left_of_the_grace_period_writes_nothing(tmp_path: str) -> None:
     assert [s for s, _ in list_checkpoints(os.path.join(tmp, "ckpt"))] == [0]
 
 
+@pytest.mark.slow  # ~12 s on a loaded 2-core machine (the flush process imports torch)
 def test_a_write_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path: Path) -> None:
     # a node's snapshot area as a worker leaves it (steps 0-5, a disk checkpoint of step 0):
     # 0.2 s is less than the flush process needs to start (it imports torch): killed, the
@@ -121,7 +122,7 @@ def test_a_write_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path: P
 FSDP = os.path.join(PROGRAMS, "fsdp_snapshots.py")
 
 
-@pytest.mark.slow  # ~40 s: two FSDP2 runs of 2 gloo workers
+@pytest.mark.slow  # ~40-55 s: two FSDP2 runs of 2 gloo workers
 def test_sigterm_writes_every_ranks_shard_of_sharded_state_and_a_new_job_resumes_from_it(
         tmp_path: str) -> None:
     # FSDP2 (DTensors): DCP checkpoints every 1000 steps, so only the write at the signal can put

@@ -14,7 +14,9 @@ holds) in the format the periodic checkpoints have: replicated state as ``ckpt-<
 (``save_checkpoint``: a temporary file renamed), from the rank that writes the checkpoints
 (global rank 0 by default: the other nodes write nothing); sharded state as every local rank's
 shard of DCP's checkpoint (``dcp_disk.write_shard``: the last rank's part completes the step's
-directory and renames it). A step the directory already holds, or older, is not written again.
+directory and renames it), of the newest step every local rank holds, and of the step before
+when that does not complete (the nodes' newest steps may differ by one: one of the two completes
+once every node wrote). A step the directory already holds, or older, is not written again.
 Killed in the middle, it leaves the previous checkpoints as they were: a replicated write removes
 its temporary file on SIGTERM; a temporary file or directory that SIGKILL leaves behind is
 ignored by loading and removed by the next save. Each outcome is one line on standard error.
@@ -51,18 +53,16 @@ def flush(area: str) -> int:
         return 0
     step = snaps[-1][0]
     files = {lr: p for s, lr, p in snaps if s == step and lr in where}
-    if files and _sharded(files[min(files)]):  # every local rank's shard of one step
-        held = [{s for s, r, _ in snaps if r == lr} for lr in where]
-        common = set.intersection(*held)
-        step = max(common, default=-1)
-        files = {lr: p for s, lr, p in snaps if s == step and lr in where}
     if not files:
         _say(f"at the signal: the newest snapshot (step {step}) has no checkpoint directory: "
              "nothing written")
         return 0
     started = time.monotonic()
     try:
-        done = _write(step, files, where)
+        if _sharded(files[min(files)]):
+            step, done = _flush_sharded(snaps, where)
+        else:
+            done = _write(step, files, where)
     except Exception as exc:  # noqa: BLE001 - one line, the previous checkpoints intact
         _say(f"at the signal: writing the snapshot of step {step} failed: {type(exc).__name__}: "
              f"{exc}; the previous checkpoints are intact")
@@ -71,6 +71,26 @@ def flush(area: str) -> int:
         _say(f"at the signal: the snapshot of step {step} written to {done} "
              f"({time.monotonic() - started:.1f} s)")
     return 0
+
+
+def _flush_sharded(snaps: list[tuple[int, int, str]], where: dict[int, Mark]) -> tuple[int, str | None]:
+    """Every local rank's shard of the newest step they all hold; when that does not complete
+    the checkpoint (another node's ranks are a step behind, or have not written yet), the step
+    before too: one of the two completes once every node wrote. (step, the checkpoint completed
+    here, or None)."""
+    common = set.intersection(*[{s for s, r, _ in snaps if r == lr} for lr in where])
+    steps = sorted(common, reverse=True)[:2]
+    for step in steps:
+        done = _write_sharded(step, {lr: p for s, lr, p in snaps if s == step and lr in where}, where)
+        if done is not None:
+            return step, done or None
+    if steps:
+        _say(f"at the signal: this node's shards of step(s) {', '.join(map(str, steps))} written; "
+             "the checkpoint completes when the other nodes' shards of a step are written")
+    else:
+        _say("at the signal: no step of which every local rank holds a sharded snapshot: nothing "
+             "written")
+    return (steps[0] if steps else -1), None
 
 
 def _sharded(path: str) -> bool:
@@ -84,7 +104,8 @@ def _sharded(path: str) -> bool:
 
 
 def _write(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | None:
-    """The checkpoint written (path), or None when there was nothing to write (said why)."""
+    """Replicated state: the checkpoint written (path), or None when there was nothing to write
+    (said why)."""
     from ..checkpoint import list_checkpoints, save_checkpoint
     from .fileformat import read_snapshot
     from .identity import Identity
@@ -92,8 +113,6 @@ def _write(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | No
     first = min(files)
     _, ident_d, _ = read_snapshot(files[first], clone=False)
     ident = Identity.from_dict(ident_d)
-    if ident.sharded:
-        return _write_sharded(step, files, where)
     if not ident.replicated:
         _say(f"at the signal: step {step} holds per-rank state: no disk checkpoint is written for it")
         return None
@@ -114,30 +133,26 @@ def _write(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | No
 
 
 def _write_sharded(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | None:
-    """Every local rank's shard of ``step``; the DCP checkpoint's path once complete here."""
+    """Every local rank's shard of ``step``: the DCP checkpoint's path when this completed it,
+    "" when it was complete already (nothing written), None when it is not complete yet."""
     from .dcp_disk import write_shard
     from .fileformat import read_snapshot
     from .identity import Identity
 
     completed: str | None = None
-    wrote = []
     for lr, path in sorted(files.items()):
         target = where[lr]
         final = os.path.join(target.directory, f"dcp-step-{step:012d}")
         if os.path.exists(final):
             _say(f"at the signal: {final} is already on disk: nothing written")
-            return None
+            return ""
         got, ident_d, state = read_snapshot(path)
         ident = Identity.from_dict(ident_d)
         if got != step or not ident.sharded:
             raise ValueError(f"{path} holds {ident.describe()}, not sharded state of step {step}")
         done = write_shard(target.directory, step, ident.rank, ident.world_size, state["items"],
                            state["data"], target.keep)
-        wrote.append(ident.rank)
         completed = completed or done
-    if completed is None:
-        _say(f"at the signal: the shards of rank(s) {wrote} of step {step} written; the checkpoint "
-             "completes when the other nodes' shards are written")
     return completed
 
 
