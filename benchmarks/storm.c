@@ -79,7 +79,7 @@ static struct sockaddr_in server_addr;
 static int ep;
 static long refused, reset_connect, reset_handshake, eof_handshake, connect_timeouts, retries,
     failed, done, connected_total, other_errors;
-static int64_t t0, last_connected_ns, last_handshake_ns;
+static int64_t t0, last_connected_ns, last_handshake_ns, last_added_ns, first_done_ns;
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -398,10 +398,12 @@ static void advance(int id, const char* r, size_t len) {
       queue_add(c);
       break;
     case ADDING:
+      if (t > last_added_ns) last_added_ns = t;
       c->state = WAITING;
       queue_wait(c, value == n_clients);
       break;
     case WAITING:
+      if (!first_done_ns) first_done_ns = t;
       c->state = DONE;
       c->done_ns = t;
       ++done;
@@ -513,7 +515,8 @@ static int run_client(void) {
                        (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
   printf("{\"proto\": \"%s\", \"clients\": %d, \"sources\": %d, \"done\": %ld, \"failed\": %ld, "
          "\"unfinished\": %ld, \"all_done_ms\": %.1f, \"p50_ms\": %.1f, \"p99_ms\": %.1f, "
-         "\"last_connected_ms\": %.1f, \"last_handshake_ms\": %.1f, \"refused\": %ld, "
+         "\"last_connected_ms\": %.1f, \"last_handshake_ms\": %.1f, \"last_added_ms\": %.1f, "
+         "\"first_done_ms\": %.1f, \"refused\": %ld, "
          "\"reset_at_connect\": %ld, \"reset_in_handshake\": %ld, \"closed_in_handshake\": %ld, "
          "\"connect_timeouts\": %ld, \"other_errors\": %ld, \"retries\": %ld, "
          "\"connects\": %ld, \"client_cpu_s\": %.3f}\n",
@@ -521,7 +524,8 @@ static int run_client(void) {
          done == n_clients ? ms(fin[m - 1]) : ms(end - t0), m ? ms(fin[m / 2]) : 0.0,
          m ? ms(fin[(m * 99) / 100 < m ? (m * 99) / 100 : m - 1]) : 0.0,
          ms(last_connected_ns ? last_connected_ns - t0 : 0),
-         ms(last_handshake_ns ? last_handshake_ns - t0 : 0), refused, reset_connect,
+         ms(last_handshake_ns ? last_handshake_ns - t0 : 0),
+         ms(last_added_ns ? last_added_ns - t0 : 0), ms(first_done_ns ? first_done_ns - t0 : 0), refused, reset_connect,
          reset_handshake, eof_handshake, connect_timeouts, other_errors, retries, connected_total, cpu_s);
   fflush(stdout);
   if (hold) {

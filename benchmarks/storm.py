@@ -161,6 +161,9 @@ def summarize(runs: list[dict]) -> dict:
         "retries": total("retries"),
         "kernel": {k: statistics.median(r["kernel"][k] for r in runs) for k in COUNTERS},
         "rss_per_connection": statistics.median(r["rss_per_connection"] for r in runs),
+        "server_cpu_us_per_client": statistics.median(r["server_cpu_s"] / r["clients"] * 1e6 for r in runs),
+        "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs),
+        "tcp_mem_pages": statistics.median(r["tcp_mem_pages_connected"] for r in runs),
     }
 
 
@@ -182,8 +185,9 @@ def render(doc: dict) -> str:
         "the first connect to the last client released. Kernel counters: medians per run.",
         "",
         "| clients | peer | all done, median (range) | vs tcpstore | vs echo | refused / reset / "
-        "retries (all runs) | ListenOverflows | ListenDrops | TCPTimeouts | server RSS per idle connection |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "retries (all runs) | ListenOverflows | ListenDrops | TCPTimeouts | server CPU per client | "
+        "load generator CPU | server RSS per idle connection |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, cell in doc["summary"].items():
         base = cell.get("tcpstore", {}).get("median_ms")
@@ -198,9 +202,11 @@ def render(doc: dict) -> str:
                 f"| {n} | {peer} | {s['median_ms']:.0f} ms ({s['min_ms']:.0f}-{s['max_ms']:.0f}){unf} | "
                 f"{vs_t} | {vs_e} | {s['refused']} / {s['reset']} / {s['retries']} | "
                 f"{k['TcpExtListenOverflows']:.0f} | {k['TcpExtListenDrops']:.0f} | "
-                f"{k['TcpExtTCPTimeouts']:.0f} | {rss} |")
+                f"{k['TcpExtTCPTimeouts']:.0f} | {s['server_cpu_us_per_client']:.1f} us | "
+                f"{s['client_cpu_s']:.2f} s | {rss} |")
     lines += ["", "Peers:", ""]
-    lines += [f"- `{p}`: {PEERS[p][2]}" for p in doc["peers"]]
+    notes = doc.get("peer_notes", {})
+    lines += [f"- `{p}`: {notes.get(p) or PEERS[p][2]}" for p in doc["peers"]]
     return "\n".join(lines) + "\n"
 
 
@@ -219,16 +225,21 @@ def main(argv: list[str]) -> int:
                     help="run servers and clients at this nice value (negative: root; a shared "
                          "machine's other load then delays them less)")
     ap.add_argument("--no-netns", action="store_true")
-    ap.add_argument("--also", action="append", default=[], metavar="NAME=BINARY",
+    ap.add_argument("--merge", default="", metavar="A.json,B.json",
+                    help="no measuring: merge earlier runs' results (e.g. one per size) into OUT")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=BINARY[=NOTE]",
                     help="another elasticstore-server build as peer NAME (native protocol), e.g. "
                          "an earlier commit's, measured in the same run")
     args = ap.parse_args(argv)
     for spec in args.also:
-        name, _, binary = spec.partition("=")
+        name, _, rest = spec.partition("=")
+        binary, _, note = rest.partition("=")
         if not name or not os.access(binary, os.X_OK):
-            raise SystemExit(f"storm: --also {spec!r}: want NAME=BINARY (an executable)")
-        PEERS[name] = (server_at(binary, name), "native", f"`{binary}`, native protocol")
+            raise SystemExit(f"storm: --also {spec!r}: want NAME=BINARY[=NOTE] (an executable)")
+        PEERS[name] = (server_at(binary, name), "native", note or f"`{binary}`, native protocol")
         args.peers += "," + name
+    if args.merge:
+        return merge(args.merge.split(","), args.out)
     sizes = [int(x) for x in args.sizes.split(",")]
     names = args.peers.split(",")
     unknown = [p for p in names if p not in PEERS]
@@ -252,6 +263,7 @@ def main(argv: list[str]) -> int:
         "max_syn_backlog": int(read("/proc/sys/net/ipv4/tcp_max_syn_backlog")),
         "fd_limit": fd_limit, "nice": args.nice, "runs": args.runs, "batch": args.batch, "peers": names,
         "load_before": round(os.getloadavg()[0], 2), "results": [],
+        "peer_notes": {p: PEERS[p][2] for p in names},
     }
     for n in sizes:
         for i in range(args.runs):
@@ -265,16 +277,37 @@ def main(argv: list[str]) -> int:
                       f"overflows {r['kernel']['TcpExtListenOverflows']} "
                       f"timeouts {r['kernel']['TcpExtTCPTimeouts']}", flush=True)
     doc["load_after"] = round(os.getloadavg()[0], 2)
+    write(doc, args.out)
+    return 0
+
+
+def write(doc: dict, out: str) -> None:
+    sizes = sorted({r["clients"] for r in doc["results"]})
     doc["summary"] = {
         str(n): {p: summarize([r for r in doc["results"] if r["clients"] == n and r["peer"] == p])
-                 for p in names}
+                 for p in doc["peers"] if any(r["clients"] == n and r["peer"] == p for r in doc["results"])}
         for n in sizes
     }
-    with open(args.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(render(doc))
     print(render(doc))
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One document from several runs (the first one's machine and settings; every run's
+    results; the loads of each)."""
+    docs = [json.load(open(p)) for p in paths]
+    doc = dict(docs[0])
+    doc["results"] = [r for d in docs for r in d["results"]]
+    doc["peers"] = list(dict.fromkeys(p for d in docs for p in d["peers"]))
+    doc["date"] = ", ".join(d["date"] for d in docs)
+    doc["load_before"] = "/".join(str(d["load_before"]) for d in docs)
+    doc["load_after"] = "/".join(str(d["load_after"]) for d in docs)
+    for d in docs:
+        doc.setdefault("peer_notes", {}).update(d.get("peer_notes", {}))
+    write(doc, out)
     return 0
 
 
