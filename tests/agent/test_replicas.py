@@ -8,6 +8,7 @@ sockets on loopback, real snapshot files: what lands where, what is kept, who is
   local rank is not sent.
 - A wrong token, or (without a token) an address that is not the predecessor's: nothing lands.
 - Replicated (DDP) state is not replicated.
+- Replicas from before a resume to an older step are dropped once this node took a step again.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_peek_reads_what_fileformat_writes(tmp_path: Path) -> None:
     got = peek(path)
     assert (got.step, got.rank, got.world_size, got.sharded, got.replicated) == (
         123456789, 5, 8, True, False)
-    assert got.size == os.path.getsize(path)
+    assert got.size == os.path.getsize(path) and 64 < got.used <= got.size
     junk = tmp_path / "junk"
     junk.write_bytes(b"x" * 100)
     with pytest.raises(ValueError, match="not a snapshot"):
@@ -92,7 +93,9 @@ def test_newest_step_lands_by_global_rank_and_two_are_kept(areas: tuple[str, str
             with open(os.path.join(a, fileformat.snapshot_name(1, local)), "rb") as f, \
                     open(os.path.join(receiver.dir, f"step-000000000001.local-{rank}.snap"),
                          "rb") as g:
-                assert f.read() == g.read()
+                mine, replica = f.read(), g.read()
+            assert replica == mine[:len(replica)]  # the bytes in use (not the spare room)
+            assert len(replica) == peek(os.path.join(a, fileformat.snapshot_name(1, local))).used
         write(a, 2, 1, 3, 4, 2.5)
         until(lambda: len(held(receiver)) == 4, "step 2")
         write(a, 3, 0, 2, 4, 3.0)
@@ -113,7 +116,7 @@ def test_newest_step_lands_by_global_rank_and_two_are_kept(areas: tuple[str, str
         until(lambda: sender.sent == 4, "the sender's count")  # it counts once acknowledged
         assert receiver.received == 4
         assert sender.last_bytes == sum(
-            os.path.getsize(os.path.join(a, fileformat.snapshot_name(2, i))) for i in (0, 1))
+            peek(os.path.join(a, fileformat.snapshot_name(2, i))).used for i in (0, 1))
     finally:
         sender.close()
         receiver.close()
@@ -134,6 +137,32 @@ def test_nothing_lands_unless_it_should(areas: tuple[str, str], case: str) -> No
         if case == "not the predecessor":
             receiver.allow({HOST})
             until(lambda: held(receiver) == ["step-000000000004.local-0.snap"], "step 4")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_replicas_from_before_a_resume_are_dropped(areas: tuple[str, str]) -> None:
+    """This node's round 5 resumed from step 5 and its workers took step 6 again: the replicas
+    of steps >= 6 from before round 5 (another history) are removed, and refused when they come
+    later; step 8 written in round 5 is taken."""
+    a, b = areas
+    receiver = Receiver(b, HOST, "secret")
+    sender = Sender(a, 1, "node-a", "secret", HOST)
+    try:
+        receiver.new_round(5)
+        sender.new_round(4, time.time_ns() + 10**12)  # every file is from before that round
+        write(a, 7, 0, 1, 2, 7.0)
+        sender.set_target((HOST, receiver.port))
+        until(lambda: held(receiver) == ["step-000000000007.local-1.snap"], "step 7")
+        receiver.own_written(5, 6)
+        assert held(receiver) == []
+        os.unlink(os.path.join(a, fileformat.snapshot_name(7, 0)))
+        write(a, 8, 0, 1, 2, 8.0)
+        time.sleep(1.0)
+        assert held(receiver) == [] and sender.sent == 1
+        sender.new_round(5, 0)  # the same file, now said to be of round 5
+        until(lambda: held(receiver) == ["step-000000000008.local-1.snap"], "step 8", 10)
     finally:
         sender.close()
         receiver.close()

@@ -30,6 +30,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "agent": ("ops", *COMMANDS),
     "ops": ("agent", *COMMANDS),
     "train": ("stores", "rendezvous", "agent", "ops", *COMMANDS),
+    "replicas": ("rendezvous", "agent", "ops", *COMMANDS),
 }
 # What the agent may import from the rendezvous and from train/, and nothing else of them: the
 # Protocol (api), and data: the round store's key names (state.AgentKeys), the bounded record

@@ -12,6 +12,14 @@ arrives replaces that sender's files of the same or newer steps (its workers wen
 older step: what it had sent past it is of another history). Other senders' files older than
 the step that arrived are removed: a node that left the ring (lost, or the ring changed) keeps
 its newest files here until the current predecessor has sent a newer step.
+
+Another history: when a round resumes from an older step, the steps after it are taken again,
+and a replica of one of them from before the resume is not the state of the new one. Each file
+is kept with the round it was written in (the sender says it; a round other than this node's
+current one counts as "before"). Once this node's own workers wrote step ``m`` in this round
+(``own_written``), the replicas from before this round of step ``m`` or later are removed, and
+such a replica that arrives later is refused. Until then they stay: they are what this round's
+restore may need.
 """
 
 from __future__ import annotations
@@ -53,7 +61,10 @@ class Receiver:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._token, self._log = token, log
         self._allowed: frozenset[str] = frozenset()
-        self._owner: dict[str, tuple[str, int]] = {}  # file name -> (sender, step)
+        self._owner: dict[str, tuple[str, int, int]] = {}  # name -> (sender, step, round; -1)
+        self._lock = threading.Lock()  # _owner and the round: the sender's thread reports too
+        self._attempt: int | None = None  # this node's round
+        self._own_min: int | None = None  # the oldest step its workers wrote in it
         self.received = 0  # transfers placed
         self._stop = threading.Event()
         try:
@@ -64,6 +75,21 @@ class Receiver:
         self.port = int(self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._serve, name="replica-receiver", daemon=True)
         self._thread.start()
+
+    def new_round(self, attempt: int) -> None:
+        with self._lock:
+            self._attempt, self._own_min = attempt, None
+
+    def own_written(self, attempt: int, step: int) -> None:
+        """This node's workers wrote ``step`` in round ``attempt``: the replicas from before it,
+        of that step or later, are of another history (module doc)."""
+        with self._lock:
+            if attempt != self._attempt or (self._own_min is not None and self._own_min <= step):
+                return
+            self._own_min = step
+            for name, (_, st, written) in list(self._owner.items()):
+                if st >= step and written != attempt:
+                    self._remove(name)
 
     def allow(self, addresses: set[str]) -> None:
         """Without a token: the peer addresses that may send (the ring predecessor's)."""
@@ -97,11 +123,12 @@ class Receiver:
         conn.sendall(PREAMBLE + nonce)
         head = recv_frame(conn, deadline)
         sender, step, sizes = head.get("sender"), head.get("step"), head.get("sizes")
+        written = head.get("attempt")
         if self._token and not (isinstance(head.get("mac"), str) and
                                 _equal(head["mac"], mac(self._token, nonce))):
             send_frame(conn, {"ok": False, "error": "authentication failed"}, deadline)
             raise ReplicaError("the sender did not prove the run's token")
-        why = _bad_header(sender, step, sizes)
+        why = _bad_header(sender, step, sizes, written)
         if why is None:
             assert isinstance(sizes, list)
             why = self._no_room(sum(sizes))
@@ -109,6 +136,7 @@ class Receiver:
             send_frame(conn, {"ok": False, "error": why}, deadline)
             raise ReplicaError(why)
         assert isinstance(sender, str) and isinstance(step, int) and isinstance(sizes, list)
+        assert isinstance(written, int)
         send_frame(conn, {"ok": True}, deadline)
         tmps: list[str] = []
         try:
@@ -119,7 +147,8 @@ class Receiver:
             if recv_frame(conn, deadline).get("commit") is not True:
                 raise ReplicaError(f"step {step}: the sender withdrew it (a file changed)")
             try:
-                self._place(sender, step, tmps)
+                with self._lock:
+                    self._place(sender, step, written, tmps)
             except ValueError as err:
                 send_frame(conn, {"ok": False, "error": str(err)}, deadline)
                 raise
@@ -136,8 +165,13 @@ class Receiver:
         free = st.f_bavail * st.f_frsize
         return None if total <= free else f"no room: {total} bytes, {free} free in {self.dir}"
 
-    def _place(self, sender: str, step: int, tmps: list[str]) -> None:
+    def _place(self, sender: str, step: int, written: int, tmps: list[str]) -> None:
         """Checks the files, renames them into place, applies what is kept (module doc)."""
+        if written != self._attempt or written < 0:
+            written = -1  # before this node's round
+            if self._own_min is not None and step >= self._own_min:
+                raise ValueError(f"step {step} was written before this round's resume, which "
+                                 f"took step {self._own_min} again here: another history")
         names = []
         for tmp in tmps:
             found = peek(tmp)
@@ -146,14 +180,14 @@ class Receiver:
             names.append(replica_name(step, found.rank))
         if len(set(names)) != len(names):
             raise ValueError(f"step {step}: two files of one rank")
-        for name, (who, st) in list(self._owner.items()):
+        for name, (who, st, _) in list(self._owner.items()):
             if who == sender and st >= step:
                 self._remove(name)
         for tmp, name in zip(tmps, names):
             os.rename(tmp, os.path.join(self.dir, name))
-            self._owner[name] = (sender, step)
-        steps = sorted({st for who, st in self._owner.values() if who == sender}, reverse=True)
-        for name, (who, st) in list(self._owner.items()):
+            self._owner[name] = (sender, step, written)
+        steps = sorted({st for who, st, _ in self._owner.values() if who == sender}, reverse=True)
+        for name, (who, st, _) in list(self._owner.items()):
             if (who == sender and st not in steps[:KEEP_STEPS]) or (who != sender and st < step):
                 self._remove(name)
         self.received += 1
@@ -170,11 +204,13 @@ def _equal(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def _bad_header(sender: object, step: object, sizes: object) -> str | None:
+def _bad_header(sender: object, step: object, sizes: object, written: object) -> str | None:
     if not (isinstance(sender, str) and 0 < len(sender) <= 64):
         return f"a sender id that is not a short string: {sender!r:.80}"
     if type(step) is not int or step < 0:
         return f"a step that is not an integer >= 0: {step!r:.80}"
+    if type(written) is not int or written < -1:
+        return f"a round that is not an integer >= -1: {written!r:.80}"
     if not (isinstance(sizes, list) and 0 < len(sizes) <= MAX_FILES and
             all(type(s) is int and 64 <= s <= MAX_FILE_BYTES for s in sizes)):
         return f"file sizes that are not 1 to {MAX_FILES} integers in [64, {MAX_FILE_BYTES}]"

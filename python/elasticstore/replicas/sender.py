@@ -9,7 +9,14 @@ when its files were rewritten: their inodes). A worker reuses the memory of its 
 steps older: the files are read while they keep their names, and after the copy each is checked
 to still be the file that was read (same inode under the same name); else the transfer is
 withdrawn and the newer step sent on the next pass. Failures are said once per successor and
-retried after ``RETRY_S``.
+retried after ``RETRY_S``; so is a replica that lags two steps or more behind the workers (a
+node loss would then find no step whose every shard survived: the disk checkpoint is taken).
+
+Each transfer says the round (``attempt``) its files were written in: this round's when every
+file was renamed into place (its ctime) after the round began, else -1. And each pass reports the
+oldest step this node's workers wrote in this round (``on_own``): the receiver drops the replicas
+from before this round from that step on (``receiver.py``: a job that resumed from an older step
+takes the later steps again; their earlier copies are of another history).
 """
 
 from __future__ import annotations
@@ -39,9 +46,12 @@ class Sender:
     address connections leave from (the one the receiver knows this node by; "": any)."""
 
     def __init__(self, area: str, nproc: int, sender_id: str, token: str, host: str = "",
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None,
+                 on_own: Callable[[int, int], None] = lambda _a, _s: None) -> None:
         self.area, self.nproc, self.id, self._token, self._log = area, nproc, sender_id, token, log
-        self.host = host
+        self.host, self._on_own = host, on_own
+        self._round: tuple[int, int] | None = None  # (attempt, its start in time.time_ns())
+        self._lag_said = False
         self._target: Target | None = None
         self._sent: tuple[Target, int, tuple[int, ...]] | None = None
         self._said: Target | None = None  # a failure was said for this successor
@@ -59,16 +69,23 @@ class Sender:
         self._target = target
         self._retry_at = 0.0
 
+    def new_round(self, attempt: int, started_ns: int) -> None:
+        """The round this node's workers now run in, begun at ``started_ns`` (``time.time_ns``:
+        the clock of the files' ctime)."""
+        self._round = (attempt, started_ns)
+        self._lag_said = False
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(60)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            target = self._target
+            target, files = self._target, list_complete(self.area)
+            self._report_own(files)
             if target is None or time.monotonic() < self._retry_at:
                 continue
-            newest = self._newest()
+            newest = self._newest(files)
             if newest is None:
                 continue
             step, paths = newest
@@ -84,6 +101,7 @@ class Sender:
                     self._sent, self._said = key, None
                     self.sent += 1
                     self.last_s = time.monotonic() - started
+                    self._check_lag(step)
             except (OSError, ReplicaError, ValueError) as err:
                 if self._said != target:
                     self._said = target
@@ -100,10 +118,34 @@ class Sender:
             self._ids[key] = peek(path).sharded
         return self._ids[key]
 
-    def _newest(self) -> tuple[int, list[str]] | None:
+    def _report_own(self, files: list[tuple[int, int, str]]) -> None:
+        """The oldest step of this node's files written in this round, to ``on_own``."""
+        if self._round is None:
+            return
+        attempt, started = self._round
+        steps = []
+        for step, _, path in files:
+            try:
+                if os.stat(path).st_ctime_ns >= started:
+                    steps.append(step)
+            except OSError:
+                continue
+        if steps:
+            self._on_own(attempt, min(steps))
+
+    def _check_lag(self, sent: int) -> None:
+        newest = self._newest(list_complete(self.area))
+        if newest is not None and newest[0] >= sent + 2 and not self._lag_said:
+            self._lag_said = True
+            self._log(f"[elasticstore-run] the replica lags: step {sent} took {self.last_s:.2f}s "
+                      f"to copy and the workers are at step {newest[0]}; until it keeps up, a "
+                      "node lost resumes from the disk checkpoint (snapshot less often, or a "
+                      "faster network between the nodes)")
+
+    def _newest(self, listed: list[tuple[int, int, str]]) -> tuple[int, list[str]] | None:
         """The newest step every local rank holds a complete file of (sharded), with the files."""
         by_step: dict[int, dict[int, str]] = {}
-        for step, local, path in list_complete(self.area):
+        for step, local, path in listed:
             by_step.setdefault(step, {})[local] = path
         for step in sorted(by_step, reverse=True):
             files = by_step[step]
@@ -131,10 +173,10 @@ class Sender:
         fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
         try:
             stats = [os.fstat(fd) for fd in fds]
-            for fd in fds:
-                if peek(fd=fd).step != step:
-                    return False
-            sizes = [st.st_size for st in stats]
+            heads = [peek(fd=fd) for fd in fds]
+            if any(h.step != step for h in heads):
+                return False
+            sizes = [h.used for h in heads]  # not the buffer's spare room
             deadline = deadline_for(sum(sizes))
             with self._connect(target) as sock:
                 hello = recv_exact(sock, len(PREAMBLE) + NONCE_BYTES, deadline)
@@ -142,6 +184,7 @@ class Sender:
                     raise ReplicaError(f"{target[0]}:{target[1]} is not a replica endpoint")
                 nonce = hello[len(PREAMBLE):]
                 send_frame(sock, {"sender": self.id, "step": step, "sizes": sizes,
+                                  "attempt": self._written_in(stats),
                                   "mac": mac(self._token, nonce) if self._token else ""}, deadline)
                 reply = recv_frame(sock, deadline)
                 if reply.get("ok") is not True:
@@ -163,6 +206,13 @@ class Sender:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+    def _written_in(self, stats: list[os.stat_result]) -> int:
+        rnd = self._round
+        if rnd is None or any(st.st_ctime_ns < rnd[1] for st in stats):
+            return -1
+        return rnd[0]
 
 
 def _same(path: str, st: os.stat_result) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -53,7 +54,8 @@ class ReplicaService:
         self.host, self._log = host, log
         self.receiver = Receiver(area, host, token, log)
         try:
-            self.sender = Sender(area, nproc, uuid.uuid4().hex, token, host, log)
+            self.sender = Sender(area, nproc, uuid.uuid4().hex, token, host, log,
+                                 self.receiver.own_written)
         except BaseException:
             self.receiver.close()
             raise
@@ -64,6 +66,8 @@ class ReplicaService:
         ``LOOKUP_S``: no replicas this round (said)."""
         self.sender.set_target(None)
         self.receiver.allow(set())
+        self.receiver.new_round(attempt)
+        self.sender.new_round(attempt, time.time_ns())
         store.set(key(attempt, node_rank),
                   json.dumps({"host": self.host, "port": self.receiver.port}))
         if nnodes < 2:

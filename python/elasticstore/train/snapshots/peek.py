@@ -30,7 +30,8 @@ _BOOLS = {"replicated", "sharded"}
 
 @dataclass(frozen=True)
 class Peeked:
-    """A snapshot file's identity (``identity.Identity``'s fields) and its size in bytes."""
+    """A snapshot file's identity (``identity.Identity``'s fields), its size in bytes and the
+    bytes of it in use (the rest is spare room for the next snapshot of its buffer)."""
 
     step: int
     rank: int
@@ -38,6 +39,7 @@ class Peeked:
     replicated: bool
     sharded: bool
     size: int
+    used: int
 
 
 def replica_name(step: int, rank: int) -> str:
@@ -115,4 +117,4 @@ def peek(path: str | None = None, fd: int | None = None) -> Peeked:
     if not 0 <= ident["rank"] < ident["world_size"]:
         raise ValueError(f"rank {ident['rank']} of a world of {ident['world_size']}")
     return Peeked(step, ident["rank"], ident["world_size"], ident["replicated"],
-                  ident["sharded"], size)
+                  ident["sharded"], size, skel_offset + skel_len)
