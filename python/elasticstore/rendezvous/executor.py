@@ -29,8 +29,10 @@ __all__ = ["Decider", "DeciderCheck", "Heartbeat", "RingWatcher", "await_round"]
 log = logging.getLogger(__name__)
 
 _UNWATCHED_POLL = 30.0  # s: a ring watcher's watch bound where no beat is judged (etcd)
-CATCH_UP = 64  # events a decider takes one by one before it reads the run's keys again (at
-# least; a sixteenth of the keys it read: the reads stay O(1) per event)
+# A decider reads the run's keys again (one pass ends) after max(CATCH_UP, a sixteenth of the keys
+# it read) events, or after CATCH_UP_MIN events once the pass is CATCH_UP_AFTER seconds old:
+# reads stay O(1) per event, and at most a few per second when a storm keeps it behind.
+CATCH_UP, CATCH_UP_MIN, CATCH_UP_AFTER = 64, 16, 0.1
 
 
 def _names(keys: list[str]) -> set[str]:
@@ -84,6 +86,7 @@ class Decider:
         # event lags behind a join storm of thousands (a round trip and, in a busy process, a
         # wait for the interpreter each), while two lists jump over the whole backlog.
         catch_up, events = max(CATCH_UP, (len(alive) + len(joined)) // 16), 0
+        early = time.monotonic() + CATCH_UP_AFTER
         while True:
             now = time.monotonic()
             if now >= self._deadline:
@@ -114,7 +117,7 @@ class Decider:
             if event is None:
                 continue
             events += 1
-            if events > catch_up:
+            if events > catch_up or (events > CATCH_UP_MIN and time.monotonic() > early):
                 return None  # read again: the next pass starts from the current revision
             rev = event.version
             name = event.key.rsplit("/", 1)[-1]
