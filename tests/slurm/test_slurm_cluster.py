@@ -1,6 +1,7 @@
 """``elasticstore-run`` under a real Slurm cluster (slurmctld and three slurmd, each node in a
 network namespace of its own: ``tests/helpers/slurm_cluster.py``), as users run it: ``sbatch``
-scripts whose ``srun`` starts one ``elasticstore-run`` a node with no rendezvous flags. The
+scripts (and an ``salloc``) whose ``srun`` starts one ``elasticstore-run`` a node with no
+rendezvous flags. The
 workers (gloo) record their rank, world size, node rank and step (``programs/slurm_train.py``);
 the tests read those facts and the job's state as Slurm reports it.
 

@@ -24,6 +24,8 @@ A step that starts several tasks on a node is refused (each would be taken for a
 At exit (:func:`requeue_if_preempted`): a launcher that stops with a failure (its signal, or a
 worker the signal reached first) inside a requeueable job that Slurm is preempting requeues it,
 which Slurm itself does only for a job still running when the preemption's ``GraceTime`` ends.
+By then the agent has written its node's newest snapshot to the checkpoint directory
+(``agent/preempt_flush.py``), so the requeued job resumes from that step.
 """
 
 from __future__ import annotations
