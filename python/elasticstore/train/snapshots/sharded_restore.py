@@ -11,9 +11,9 @@ every rank can get INTO the template, resharded to this world size and layout by
 3. ``shards.build_metadata`` checks the writers' items agree and cover every tensor; the template
    is checked against it (names, global shapes: ``SnapshotMismatchError`` saying what differs).
 4. Each rank plans its reads (DCP's default load plan); items it lacks on its node are asked of a
-   rank that holds them (one ``all_gather_object`` of the requests, one of the answers: every rank
-   receives all the peer traffic, so it is meant for what a node loss or a new layout moves, not
-   for a whole model). ``dcp.load`` with ``reader.SnapshotReader`` then copies into the template.
+   rank that holds them (one ``all_gather_object`` of the requests, then each holder sends each
+   rank what it asked, point to point: ``exchange.py``). ``dcp.load`` with
+   ``reader.SnapshotReader`` then copies into the template.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .errors import SnapshotMismatchError
+from .exchange import exchange
 from .fileformat import list_snapshots, read_snapshot
 from .identity import Identity, this_rank
 from .reader import SnapshotReader
@@ -154,13 +155,7 @@ def restore_sharded(directory: str | None, checkpoint_dir: str | None, template:
             items[(w, key_of(item.index))] = value
     all_asks = _gather(asks, group)
     if any(all_asks):
-        answer: dict[int, dict[tuple[int, Key], Any]] = {}
-        for dst, wanted in enumerate(all_asks):
-            for holder, w, key in wanted:
-                if holder == rank:
-                    answer.setdefault(dst, {})[(w, key)] = items[(w, key)]
-        for sent in _gather(answer, group):
-            items.update(sent.get(rank, {}))
+        items.update(exchange(all_asks, items, rank, group))
     reader = SnapshotReader(metadata, items, sources)
     dcp.load(template, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=group)
     source = "peer" if asks else "memory"
