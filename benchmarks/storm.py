@@ -84,6 +84,19 @@ def kernel_counters() -> dict[str, int]:
     return {k: out.get(k, 0) for k in COUNTERS}
 
 
+def sched_ms(pid: int) -> tuple[float, float]:
+    """Milliseconds every thread of pid has run, and waited runnable for a CPU (schedstat)."""
+    run = wait = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                a, b = f.read().split()[:2]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        run, wait = run + int(a), wait + int(b)
+    return run / 1e6, wait / 1e6
+
+
 def tcp_mem_pages() -> int:
     """Pages the kernel holds for TCP socket buffers in this namespace (/proc/net/sockstat)."""
     with open("/proc/net/sockstat") as f:
@@ -127,8 +140,10 @@ def one_run(peer: str, n: int, key: str, batch: int) -> dict:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=procs.set_pdeathsig)
         try:
             assert client.stdout is not None and client.stdin is not None
+            s0, c0 = sched_ms(srv.pid), sched_ms(client.pid)
             line = client.stdout.readline()
             k1, cpu1 = kernel_counters(), srv.cpu_seconds()
+            s1, c1 = sched_ms(srv.pid), sched_ms(client.pid)
             time.sleep(0.3)  # replies sent, idle: what the server keeps per connection
             rss1, mem1 = srv.rss(), tcp_mem_pages()
             client.stdin.close()
@@ -144,6 +159,8 @@ def one_run(peer: str, n: int, key: str, batch: int) -> dict:
                  server_rss_connected=rss1,
                  rss_per_connection=round((rss1 - rss0) / max(r["done"], 1)),
                  tcp_mem_pages_connected=mem1 - mem0,
+                 # time runnable but waiting for a CPU, as a share of the run (server, generator)
+                 server_runqueue_wait_ms=round(s1[1] - s0[1]), client_runqueue_wait_ms=round(c1[1] - c0[1]),
                  kernel={k: k1[k] - k0[k] for k in COUNTERS})
         return r
     finally:
@@ -164,6 +181,8 @@ def summarize(runs: list[dict]) -> dict:
         "server_cpu_us_per_client": statistics.median(r["server_cpu_s"] / r["clients"] * 1e6 for r in runs),
         "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs),
         "tcp_mem_pages": statistics.median(r["tcp_mem_pages_connected"] for r in runs),
+        "server_waiting": statistics.median(r.get("server_runqueue_wait_ms", 0) / r["all_done_ms"] for r in runs),
+        "client_waiting": statistics.median(r.get("client_runqueue_wait_ms", 0) / r["all_done_ms"] for r in runs),
     }
 
 
@@ -186,8 +205,8 @@ def render(doc: dict) -> str:
         "",
         "| clients | peer | all done, median (range) | vs tcpstore | vs echo | refused / reset / "
         "retries (all runs) | ListenOverflows | ListenDrops | TCPTimeouts | server CPU per client | "
-        "load generator CPU | server RSS per idle connection |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "load generator CPU | waiting for a CPU (server / generator) | server RSS per idle connection |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, cell in doc["summary"].items():
         base = cell.get("tcpstore", {}).get("median_ms")
@@ -203,8 +222,10 @@ def render(doc: dict) -> str:
                 f"{vs_t} | {vs_e} | {s['refused']} / {s['reset']} / {s['retries']} | "
                 f"{k['TcpExtListenOverflows']:.0f} | {k['TcpExtListenDrops']:.0f} | "
                 f"{k['TcpExtTCPTimeouts']:.0f} | {s['server_cpu_us_per_client']:.1f} us | "
-                f"{s['client_cpu_s']:.2f} s | {rss} |")
+                f"{s['client_cpu_s']:.2f} s | {s['server_waiting']:.0%} / {s['client_waiting']:.0%} | {rss} |")
     lines += ["", "Peers:", ""]
+    if doc.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in doc["notes"]]
     notes = doc.get("peer_notes", {})
     lines += [f"- `{p}`: {notes.get(p) or PEERS[p][2]}" for p in doc["peers"]]
     return "\n".join(lines) + "\n"
@@ -227,6 +248,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--merge", default="", metavar="A.json,B.json",
                     help="no measuring: merge earlier runs' results (e.g. one per size) into OUT")
+    ap.add_argument("--notes", default="", metavar="FILE",
+                    help="with --merge: a text file of notes (one per line) for OUT.md")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=BINARY[=NOTE]",
                     help="another elasticstore-server build as peer NAME (native protocol), e.g. "
                          "an earlier commit's, measured in the same run")
@@ -239,7 +262,8 @@ def main(argv: list[str]) -> int:
         PEERS[name] = (server_at(binary, name), "native", note or f"`{binary}`, native protocol")
         args.peers += "," + name
     if args.merge:
-        return merge(args.merge.split(","), args.out)
+        notes = open(args.notes).read().splitlines() if args.notes else []
+        return merge(args.merge.split(","), args.out, [n for n in notes if n.strip()])
     sizes = [int(x) for x in args.sizes.split(",")]
     names = args.peers.split(",")
     unknown = [p for p in names if p not in PEERS]
@@ -276,12 +300,13 @@ def main(argv: list[str]) -> int:
                       f"retries {r['retries']} unfinished {r['unfinished'] + r['failed']} "
                       f"overflows {r['kernel']['TcpExtListenOverflows']} "
                       f"timeouts {r['kernel']['TcpExtTCPTimeouts']}", flush=True)
-    doc["load_after"] = round(os.getloadavg()[0], 2)
+                doc["load_after"] = round(os.getloadavg()[0], 2)
+                write(doc, args.out, quiet=True)  # a run cut short keeps what it measured
     write(doc, args.out)
     return 0
 
 
-def write(doc: dict, out: str) -> None:
+def write(doc: dict, out: str, quiet: bool = False) -> None:
     sizes = sorted({r["clients"] for r in doc["results"]})
     doc["summary"] = {
         str(n): {p: summarize([r for r in doc["results"] if r["clients"] == n and r["peer"] == p])
@@ -292,10 +317,11 @@ def write(doc: dict, out: str) -> None:
         json.dump(doc, f, indent=1)
     with open(out + ".md", "w") as f:
         f.write(render(doc))
-    print(render(doc))
+    if not quiet:
+        print(render(doc))
 
 
-def merge(paths: list[str], out: str) -> int:
+def merge(paths: list[str], out: str, notes: list[str]) -> int:
     """One document from several runs (the first one's machine and settings; every run's
     results; the loads of each)."""
     docs = [json.load(open(p)) for p in paths]
@@ -307,6 +333,7 @@ def merge(paths: list[str], out: str) -> int:
     doc["load_after"] = "/".join(str(d["load_after"]) for d in docs)
     for d in docs:
         doc.setdefault("peer_notes", {}).update(d.get("peer_notes", {}))
+    doc["notes"] = notes or doc.get("notes", [])
     write(doc, out)
     return 0
 
