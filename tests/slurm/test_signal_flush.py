@@ -99,7 +99,7 @@ def test_no_time_left_of_the_grace_period_writes_nothing(tmp_path: str) -> None:
 def test_a_write_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path: Path) -> None:
     # a node's snapshot area as a worker leaves it (steps 0-5, a disk checkpoint of step 0):
     # 0.2 s is less than the flush process needs to start (it imports torch): killed, the
-    # checkpoint of step 0 alone and no temporary file; with time enough, step 5 is written
+    # checkpoint of step 0 alone and no temporary file; with time enough, the newest is written
     area, ckpt = str(tmp_path / "area"), str(tmp_path / "ckpt")
     os.mkdir(area)
     import torch
@@ -113,10 +113,16 @@ def test_a_write_that_cannot_finish_in_the_grace_period_is_abandoned(tmp_path: P
     assert flush_newest(area, 0.2) is False
     assert time.monotonic() - started < 10
     assert os.listdir(ckpt) == [f"ckpt-{0:012d}.pt"]
+    # local rank 1 (not the one writing checkpoints) went a step further: its copy of the
+    # replicated state is written, to the writing rank's directory
+    with Snapshots(every=1, checkpoint_dir=ckpt, checkpoint_every=1000, write_checkpoints=False,
+                   settings=SnapshotSettings(area, 1)) as other:
+        for step in range(7):
+            other.snapshot({"step": step, "w": torch.full((64,), float(step))}, step)
     assert flush_newest(area, 120) is True
-    assert [s for s, _ in list_checkpoints(ckpt)] == [0, 5]
+    assert [s for s, _ in list_checkpoints(ckpt)] == [0, 6]
     loaded = load_checkpoint(ckpt)
-    assert loaded is not None and loaded.step == 5 and torch.equal(loaded.state["w"], torch.full((64,), 5.0))
+    assert loaded is not None and loaded.step == 6 and torch.equal(loaded.state["w"], torch.full((64,), 6.0))
 
 
 FSDP = os.path.join(PROGRAMS, "fsdp_snapshots.py")

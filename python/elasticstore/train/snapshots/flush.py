@@ -116,11 +116,11 @@ def _write(step: int, files: dict[int, str], where: dict[int, Mark]) -> str | No
     if not ident.replicated:
         _say(f"at the signal: step {step} holds per-rank state: no disk checkpoint is written for it")
         return None
-    writers = [lr for lr in files if where[lr].write]
+    writers = sorted(lr for lr in where if where[lr].write)
     if not writers:
         return None  # another node writes the replicated checkpoints
-    lr = writers[0]
-    target = where[lr]
+    target = where[writers[0]]
+    lr = writers[0] if writers[0] in files else first  # replicated: any local rank's copy
     on_disk = list_checkpoints(target.directory)
     if on_disk and on_disk[-1][0] >= step:
         _say(f"at the signal: step {on_disk[-1][0]} is already on disk ({on_disk[-1][1]}); the "
