@@ -17,8 +17,9 @@ memory file system (``/dev/shm``) without room then gives ``SnapshotSpaceError``
 when the copy touches a page the file system cannot supply.
 
 Writing is the hot path (every step): a buffer is reused for later snapshots, with room to spare
-(``_SLACK``) so that a state whose size varies a little is not remapped each time, and the tensor
-views into it are kept while the layout of the tensors stays the same.
+(``_SLACK``) so that a state whose size varies a little is not remapped each time, the tensor
+views into it are kept while the layout of the tensors stays the same, and the tensors are copied
+in one call, or by a few threads for a large state (``copying.py``).
 
 Files are written under a temporary name and renamed to ``step-<step, 12 digits>.local-<local
 rank>.snap`` when complete: a reader never sees a half-written snapshot.
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .copying import copy_into
 from .errors import SnapshotSpaceError
 from ..sharded import refuse_sharded, sharded_types
 
@@ -109,16 +111,12 @@ def _align(n: int) -> int:
 
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _sharded: tuple[type, ...] = ()
 
 
 class _ShardedFound(Exception):
     """A sharded tensor met while pickling (``prepare`` turns it into ``ShardedStateError``)."""
-
-
-def _copied(obj: Any) -> bool:
-    """Tensors whose bytes go to the data region (others, e.g. sparse or meta, are pickled)."""
-    return (obj.layout == torch.strided and not obj.is_quantized and obj.device.type != "meta")
 
 
 def _tensor_ref(dtype: torch.dtype, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
@@ -132,19 +130,23 @@ class _Pickler(pickle.Pickler):
         self.tensors: list[torch.Tensor] = []
         self.layout: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # dtype, shape, offset
         self.size = 0
+        self.on_cpu = True  # every copied tensor is on the CPU
 
     def reducer_override(self, obj: Any) -> Any:
-        # Not called for the built-in containers and scalars (unlike persistent_id): cheap.
-        if type(obj) is not _Tensor or not _copied(obj):
-            if isinstance(obj, _sharded):
-                raise _ShardedFound
-            return NotImplemented
-        offset = _align(self.size)
-        shape = tuple(obj.shape)
-        self.tensors.append(obj)
-        self.layout.append((obj.dtype, shape, offset))
-        self.size = offset + obj.numel() * obj.element_size()
-        return _tensor_ref, (obj.dtype, shape, offset, self.size - offset)
+        # Not called for the built-in containers and scalars (unlike persistent_id): cheap. The
+        # test of _copied inlined: this runs for every tensor of every snapshot.
+        if (type(obj) is _Tensor and obj.layout is _STRIDED and not obj.is_quantized
+                and not obj.is_meta):
+            dtype, shape, nbytes = obj.dtype, tuple(obj.shape), obj.nbytes
+            offset = -(-self.size // _ALIGN) * _ALIGN
+            self.tensors.append(obj)
+            self.layout.append((dtype, shape, offset))
+            self.on_cpu = self.on_cpu and obj.is_cpu
+            self.size = offset + nbytes
+            return _tensor_ref, (dtype, shape, offset, nbytes)
+        if isinstance(obj, _sharded):
+            raise _ShardedFound
+        return NotImplemented
 
 
 class _Unpickler(pickle.Unpickler):
@@ -236,8 +238,7 @@ class Buffer:
         """A tensor over the data region (``size`` bytes) for each ``(dtype, shape, offset)`` of
         ``layout``, with the memory mapped for ``total`` bytes."""
         mm = self.mapped(total)  # first: a remap drops the views
-        key = tuple(layout)
-        if self._views is not None and self._views[0] == key:
+        if self._views is not None and self._views[0] == layout:
             return self._views[1]
         self._views = None
         data = torch.frombuffer(mm, dtype=torch.uint8, offset=_DATA, count=size)
@@ -245,7 +246,7 @@ class Buffer:
         for dtype, shape, offset in layout:
             nbytes = math.prod(shape) * dtype.itemsize
             views.append(data[offset:offset + nbytes].view(dtype).view(shape))
-        self._views = (key, views)
+        self._views = (layout, views)
         return views
 
     def _unmap(self) -> None:
@@ -279,10 +280,10 @@ class Encoded:
     """A state pickled for a snapshot (``prepare``), not yet copied anywhere: its skeleton, its
     tensors and where each goes, and the bytes the snapshot takes."""
 
-    __slots__ = ("skeleton", "tensors", "layout", "data_size", "skel_offset", "total")
+    __slots__ = ("skeleton", "tensors", "layout", "data_size", "skel_offset", "total", "on_cpu")
 
     def __init__(self, pickler: _Pickler, skeleton: memoryview) -> None:
-        self.skeleton = skeleton
+        self.skeleton, self.on_cpu = skeleton, pickler.on_cpu
         self.tensors, self.layout, self.data_size = pickler.tensors, pickler.layout, pickler.size
         self.skel_offset = _align(_DATA + pickler.size)
         self.total = self.skel_offset + len(skeleton)
@@ -311,10 +312,8 @@ def encode(enc: Encoded, step: int, buf: Buffer) -> int:
     """Copies ``enc`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
     total, skel_offset = enc.total, enc.skel_offset
     if enc.tensors:
-        views = buf.views(enc.layout, enc.data_size, total)
-        with torch.no_grad():
-            for view, tensor in zip(views, enc.tensors):
-                view.copy_(tensor)
+        copy_into(buf.views(enc.layout, enc.data_size, total), enc.tensors, enc.data_size,
+                  enc.on_cpu)
     mm = buf.mapped(total)
     mm[skel_offset:total] = enc.skeleton
     mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, enc.data_size, skel_offset, len(enc.skeleton))

@@ -126,6 +126,7 @@ class Snapshots:
         self.last_copy_s = 0.0  # how long the latest snapshot blocked its step
         self.last_bytes = 0
         self._published: list[Buffer] | None = None  # oldest first (None: not listed yet)
+        self._tmp: tuple[str | None, str | None] = ("", None)  # (directory, temporary path)
         self._rank: tuple[int, int] | None = None  # (global rank, world size), at the first snapshot
         self._flushing_at_exit = False
         self._skipped_before: int | None = None
@@ -247,7 +248,9 @@ class Snapshots:
             self._published = self._adopt(step)
         while self._published and self._published[-1].step >= step:  # a step taken again
             self._retire(self._published[-1])
-        tmp = self._path(tmp_name(self.settings.local_rank))
+        if self._tmp[0] != self.settings.directory:  # one name for the snapshot being written
+            self._tmp = (self.settings.directory, self._path(tmp_name(self.settings.local_rank)))
+        tmp = self._tmp[1]
         while len(self._published) > KEEP_PER_RANK - 1:
             old = self._published[0]
             if self._retire(old, reuse=True):
