@@ -35,6 +35,16 @@ def full_steps(workdir: str) -> list[int]:
                   if (m := re.search(r"full-(\d+)\.pt$", p)))
 
 
+def replica_steps(root: str) -> list[int]:
+    """Per area under ``root`` (one per node), the newest step of its ``replicas/``."""
+    found = []
+    for area in glob.glob(os.path.join(root, "elasticstore-snapshots.*")):
+        steps = [int(m.group(1)) for n in glob.glob(os.path.join(area, "replicas", "step-*"))
+                 if (m := re.search(r"step-(\d+)\.local", n))]
+        found.append(max(steps, default=-1))
+    return found
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -58,6 +68,10 @@ def test_node_lost_survivor_resumes_from_memory_with_the_replica(tmp_path: Path,
         until(lambda: os.path.exists(os.path.join(workdir, "restored-0-4.json")), 150,
               "the workers at world size 4")
         until(lambda: [s for s in full_steps(workdir) if s >= 5], 60, "step 5 at world size 4")
+        # a moment where each node's replica is at most a step behind (on a machine this loaded,
+        # an agent's thread may wait seconds for a core: what the console's lag line is for)
+        until(lambda: (r := replica_steps(shm_root)) and len(r) == 2 and
+              min(r) >= max(full_steps(workdir)) - 1, 60, "the replicas one step behind at most")
         doomed = [p for p in tree(n2.pid) if "agent/snapshots.py" not in cmdline(p)]
         for pid in doomed:  # the whole node at once (its area's reaper stays: memory lost)
             try:

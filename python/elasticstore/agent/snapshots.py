@@ -179,14 +179,15 @@ class SnapshotArea:
         """The round's replica ring (``info``: the round's ``RendezvousInfo``: its store, this
         node's rank among its nodes; ``settings``: the agent's). Whatever fails is said, never
         raised: replicas are an addition, the job runs without them."""
-        from ..replicas import ReplicaService  # here: this file also runs as the reaper
-        from ..stores.native import read_token_file, resolve_token
-        from .logs import say
+        from .logs import say  # here: this file also runs as the reaper
 
         if not self.snapshots or self.path is None:
             return
         try:
             if self._replicas is None:
+                from ..replicas import ReplicaService
+                from ..stores.native import read_token_file, resolve_token
+
                 token = (read_token_file(settings.token_file) if settings.token_file
                          else resolve_token(None))
                 self._replicas = ReplicaService(self.path, settings.nproc, settings.host, token, say)

@@ -41,6 +41,8 @@ __all__ = ["KEEP_STEPS", "REPLICAS", "Receiver"]
 
 REPLICAS = "replicas"  # sharded_restore.REPLICAS
 KEEP_STEPS = 2  # steps kept per sender
+HELLO_S = 10.0  # from a connection to its header (the transfer's own limit starts then)
+CLOSE_S = 5.0
 _TMP = ".tmp.replica."
 
 
@@ -67,6 +69,7 @@ class Receiver:
         self._own_min: int | None = None  # the oldest step its workers wrote in it
         self.received = 0  # transfers placed
         self._stop = threading.Event()
+        self._conn: socket.socket | None = None  # the transfer in progress
         try:
             self._sock = socket.create_server((host, 0))
         except OSError:  # a name for another interface: every interface (a token, or the allowlist)
@@ -96,8 +99,10 @@ class Receiver:
         self._allowed = frozenset(_ip(a) for a in addresses)
 
     def close(self) -> None:
+        """Stops at once, a transfer in progress too (its temporary files are removed)."""
         self._stop.set()
-        self._thread.join(IDLE_S + 5)
+        _shut(self._conn)
+        self._thread.join(CLOSE_S)
         self._sock.close()
 
     def _serve(self) -> None:
@@ -108,14 +113,17 @@ class Receiver:
                 continue
             except OSError:
                 return
+            self._conn = conn
             with conn:
                 try:
                     self._handle(conn, _ip(peer[0]))
-                except (OSError, ReplicaError, ValueError) as err:
-                    self._log(f"[elasticstore-run] replica from {peer[0]} not taken: {err}")
+                except Exception as err:  # the endpoint serves on, whatever one transfer did
+                    if not self._stop.is_set():
+                        self._log(f"[elasticstore-run] replica from {peer[0]} not taken: {err}")
+            self._conn = None
 
     def _handle(self, conn: socket.socket, peer: str) -> None:
-        deadline = time.monotonic() + IDLE_S
+        deadline = time.monotonic() + HELLO_S
         if not self._token and peer not in self._allowed:
             raise ReplicaError(f"{peer} is not this node's ring predecessor (no token is set)")
         nonce = os.urandom(NONCE_BYTES)
@@ -197,6 +205,15 @@ class Receiver:
         try:
             os.unlink(os.path.join(self.dir, name))
         except FileNotFoundError:
+            pass
+
+
+def _shut(conn: socket.socket | None) -> None:
+    """Ends a transfer blocked on ``conn`` (from another thread)."""
+    if conn is not None:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from ..train.snapshots.peek import list_complete, peek
-from .wire import (NONCE_BYTES, PREAMBLE, ReplicaError, deadline_for, mac, recv_exact,
+from .wire import (IDLE_S, NONCE_BYTES, PREAMBLE, ReplicaError, deadline_for, mac, recv_exact,
                    recv_frame, send_frame)
 
 __all__ = ["Sender"]
@@ -61,6 +61,7 @@ class Sender:
         self.last_bytes = 0
         self.last_s = 0.0
         self._stop = threading.Event()
+        self._sock: socket.socket | None = None  # the transfer in progress
         self._thread = threading.Thread(target=self._run, name="replica-sender", daemon=True)
         self._thread.start()
 
@@ -76,38 +77,55 @@ class Sender:
         self._lag_said = False
 
     def close(self) -> None:
+        """Stops at once, a transfer in progress too (the receiver drops it)."""
         self._stop.set()
-        self._thread.join(60)
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(5)
 
     def _run(self) -> None:
+        broken = False
         while not self._stop.wait(POLL_S):
-            target, files = self._target, list_complete(self.area)
-            self._report_own(files)
-            if target is None or time.monotonic() < self._retry_at:
-                continue
-            newest = self._newest(files)
-            if newest is None:
-                continue
-            step, paths = newest
             try:
-                key = (target, step, tuple(os.stat(p).st_ino for p in paths))
-            except OSError:
-                continue  # a file renamed meanwhile (reused for a newer step)
-            if key == self._sent:
-                continue
-            try:
-                started = time.monotonic()
-                if self._send(target, step, paths):
-                    self._sent, self._said = key, None
-                    self.sent += 1
-                    self.last_s = time.monotonic() - started
-                    self._check_lag(step)
-            except (OSError, ReplicaError, ValueError) as err:
-                if self._said != target:
-                    self._said = target
-                    self._log(f"[elasticstore-run] replica of step {step} to {target[0]}:"
-                              f"{target[1]} failed ({type(err).__name__}: {err}); retrying")
-                self._retry_at = time.monotonic() + RETRY_S
+                self._pass()
+            except Exception as err:  # the thread goes on: said once
+                if not broken and not self._stop.is_set():
+                    self._log(f"[elasticstore-run] replicas: {type(err).__name__}: {err}")
+                broken = True
+
+    def _pass(self) -> None:
+        """One look at the area: the newest step sent when it was not yet."""
+        target, files = self._target, list_complete(self.area)
+        self._report_own(files)
+        if target is None or time.monotonic() < self._retry_at:
+            return
+        newest = self._newest(files)
+        if newest is None:
+            return
+        step, paths = newest
+        try:
+            key = (target, step, tuple(os.stat(p).st_ino for p in paths))
+        except OSError:
+            return  # a file renamed meanwhile (reused for a newer step)
+        if key == self._sent:
+            return
+        try:
+            started = time.monotonic()
+            if self._send(target, step, paths):
+                self._sent, self._said = key, None
+                self.sent += 1
+                self.last_s = time.monotonic() - started
+                self._check_lag(step)
+        except (OSError, ReplicaError, ValueError) as err:
+            if self._said != target:
+                self._said = target
+                self._log(f"[elasticstore-run] replica of step {step} to {target[0]}:"
+                          f"{target[1]} failed ({type(err).__name__}: {err}); retrying")
+            self._retry_at = time.monotonic() + RETRY_S
 
     def _sharded(self, path: str) -> bool:
         st = os.stat(path)
@@ -179,6 +197,7 @@ class Sender:
             sizes = [h.used for h in heads]  # not the buffer's spare room
             deadline = deadline_for(sum(sizes))
             with self._connect(target) as sock:
+                self._sock = sock
                 hello = recv_exact(sock, len(PREAMBLE) + NONCE_BYTES, deadline)
                 if hello[:len(PREAMBLE)] != PREAMBLE:
                     raise ReplicaError(f"{target[0]}:{target[1]} is not a replica endpoint")
@@ -191,7 +210,7 @@ class Sender:
                     raise ReplicaError(f"refused: {reply.get('error')!s:.200}")
                 for fd, size in zip(fds, sizes):
                     with os.fdopen(os.dup(fd), "rb") as f:
-                        sock.settimeout(max(0.1, deadline - time.monotonic()))
+                        sock.settimeout(min(IDLE_S, max(0.1, deadline - time.monotonic())))
                         if sock.sendfile(f, 0, size) != size:
                             raise ReplicaError("a snapshot file shrank while it was sent")
                 same = all(_same(p, st) for p, st in zip(paths, stats))
@@ -204,9 +223,9 @@ class Sender:
                 self.last_bytes = sum(sizes)
                 return True
         finally:
+            self._sock = None
             for fd in fds:
                 os.close(fd)
-
 
     def _written_in(self, stats: list[os.stat_result]) -> int:
         rnd = self._round
