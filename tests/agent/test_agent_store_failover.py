@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from agent_nodes import agents, assert_gone, events, free_port, tree, until
-from step_log import STEPS_TRAIN, groups, overlaps, trained_since
+from step_log import STEPS_TRAIN, formed_since, groups, overlaps, trained_since
 
 pytestmark = pytest.mark.slow
 
@@ -226,17 +226,17 @@ def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_
         os.kill(nodes[0].pid, signal.SIGKILL)
         nodes[0].wait(30)
         nodes[0] = _one_worker(a, 0, port, workdir, "n1-back")
-        until(lambda: trained_since(workdir, killed_at, 3), 90, "n1 back: world size 3")
+        until(lambda: formed_since(workdir, killed_at, 3), 90, "n1 back: world size 3")
         # n2 (the host) stopped: n3 hosts epoch 3; n2 continued gives its store up and joins.
         stopped = tree(nodes[1].pid)
         stopped_at = time.time()
         _signal_tree(stopped, signal.SIGSTOP)
         try:
-            until(lambda: trained_since(workdir, stopped_at, 2), 60, "n1, n3 training at world size 2")
+            until(lambda: formed_since(workdir, stopped_at, 2), 60, "n1, n3 training at world size 2")
         finally:
             _signal_tree(stopped, signal.SIGCONT)
         back_at = time.time()
-        until(lambda: trained_since(workdir, back_at, 3), 60, "n2 back as a member: world size 3")
+        until(lambda: formed_since(workdir, back_at, 3), 60, "n2 back as a member: world size 3")
         assert f"to {ADDRS[2]}:{port} (epoch 3)" in a.output(nodes[1]), a.output(nodes[1])
         # n3 (the host) silent and n1 restarted: only n2 (no longer hosting) may tell n1 that
         # the run is alive; n3 is continued once n1 has either waited or trained.

@@ -68,6 +68,15 @@ def overlaps(found: list[Group]) -> list[tuple[Group, Group]]:
     return bad
 
 
+def formed_since(directory: str, since: float, world: int | None = None) -> Group | None:
+    """A group whose first step started after ``since`` (of ``world`` when given): a round that
+    formed after an event, not the last steps of the round the event ended."""
+    for g in reversed(groups(directory)):
+        if g.first > since and (world is None or g.world == world):
+            return g
+    return None
+
+
 def trained_since(directory: str, since: float, world: int | None = None) -> Group | None:
     """A group that completed a step starting after ``since`` (of ``world`` when given)."""
     for g in reversed(groups(directory)):

@@ -80,6 +80,8 @@ class AgentSide:
             return
         s = self._settings
         if backend.server is None:  # a silent host noticed in seconds
+            if self._follower is None:  # it hosted (its follower became the store) and gave way
+                self._follower = own_follower(s, self._addr, self._keys, self._node, False)
             host, port = parse_endpoint(backend.endpoint)
             self._probe = HostProbe(host.strip("[]"), port, s.store_token,
                                     silent_after(s.store_timeout), self._saw_loss)

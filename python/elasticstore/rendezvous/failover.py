@@ -142,13 +142,17 @@ class Carried:
     host: HostRecord | None = None
     closed: bytes | None = None
     failure: bytes | None = None
-    lost: set[str] = field(default_factory=set)  # hosts lost so far (node ids)
+    lost: set[str] = field(default_factory=set)  # hosts lost since ``round`` (node ids)
     # The failure record as read at the last refresh: a ``failure`` that differs was published
     # by this node since, and only this node has it (the others read it at the next round).
     read_failure: bytes | None = None
 
     def refresh(self, store: Store, keys: Keys, state: RoundState) -> None:
-        """After entering round ``state``: the host, closed and failure records (one read)."""
+        """After entering round ``state``: the host, closed and failure records (one read).
+        A newer round forgets the hosts lost before it: a participant of it is alive (a host
+        that gave its store up and rejoined, or came back), a candidate like any other."""
+        if self.round is None or state.round > self.round.round:
+            self.lost.clear()
         self.round = state
         host, closed, failure = (store.try_get(k) for k in (keys.host, keys.closed, keys.failure))
         record = HostRecord.from_json(host)
