@@ -171,7 +171,7 @@ def summarize(runs: list[dict]) -> dict:
     times = [r["all_done_ms"] for r in runs]
     total = lambda k: sum(r[k] for r in runs)  # noqa: E731
     return {
-        "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+        "runs": len(runs), "median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
         "unfinished": total("unfinished") + total("failed"),
         "refused": total("refused"),
         "reset": total("reset_at_connect") + total("reset_in_handshake") + total("closed_in_handshake"),
@@ -195,15 +195,16 @@ def render(doc: dict) -> str:
         f"{doc['machine_note']}. Private network namespace: somaxconn {doc['somaxconn']}, "
         f"tcp_max_syn_backlog {doc['max_syn_backlog']}; open-file limit {doc['fd_limit']}; "
         f"nice {doc['nice']}; "
-        f"1-min load {doc['load_before']} before, {doc['load_after']} after; {doc['runs']} runs "
-        "per cell, fresh server each, peers in rotating order.",
+        f"1-min load {doc['load_before']} before, {doc['load_after']} after; up to {doc['runs']} "
+        "runs per cell (a run cut at its time bound counts fewer), fresh server each, peers in "
+        "rotating order.",
         "",
         f"Each client: non-blocking connect from 127.0.0.2-9 ({doc['batch'] or 'all'} connects "
         "issued between two looks at the clients' events), its protocol's handshake, ADD a "
         "counter, the last one SETs a key, all WAIT on it (echo: one 32 B round trip). Time: from "
         "the first connect to the last client released. Kernel counters: medians per run.",
         "",
-        "| clients | peer | all done, median (range) | vs tcpstore | vs echo | refused / reset / "
+        "| clients | peer | all done, median (range; runs) | vs tcpstore | vs echo | refused / reset / "
         "retries (all runs) | ListenOverflows | ListenDrops | TCPTimeouts | server CPU per client | "
         "load generator CPU | waiting for a CPU (server / generator) | server RSS per idle connection |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -218,7 +219,7 @@ def render(doc: dict) -> str:
             k = s["kernel"]
             rss = f"{s['rss_per_connection'] / 1024:.1f} KiB" if peer != "echo" else ""
             lines.append(
-                f"| {n} | {peer} | {s['median_ms']:.0f} ms ({s['min_ms']:.0f}-{s['max_ms']:.0f}){unf} | "
+                f"| {n} | {peer} | {s['median_ms']:.0f} ms ({s['min_ms']:.0f}-{s['max_ms']:.0f}; {s['runs']}){unf} | "
                 f"{vs_t} | {vs_e} | {s['refused']} / {s['reset']} / {s['retries']} | "
                 f"{k['TcpExtListenOverflows']:.0f} | {k['TcpExtListenDrops']:.0f} | "
                 f"{k['TcpExtTCPTimeouts']:.0f} | {s['server_cpu_us_per_client']:.1f} us | "
