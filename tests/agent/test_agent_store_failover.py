@@ -256,3 +256,34 @@ def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_
             _signal_tree(silent, signal.SIGCONT)
         bad = overlaps(groups(workdir))
         assert not bad, f"two groups trained at once: {bad[0][0].describe()} | {bad[0][1].describe()}"
+
+
+def test_host_restarted_while_the_others_are_frozen_waits_for_them(tmp_path: object) -> None:
+    """The old host restarted (same command line) while every other node is frozen (SIGSTOP:
+    a paused VM, a partition): their endpoints accept connections but answer nothing. It must
+    not host a fresh run (round 1 again, world size 1) under the live run id; it waits for
+    them, and once they are continued the job trains again with it, at a later round. Before,
+    nothing answering was taken for no run at all (1 worker per node; ~40-90 s)."""
+    workdir, port = str(tmp_path), free_port()
+    with agents(workdir) as a:
+        nodes = [_one_worker(a, i, port, workdir, f"n{i + 1}") for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 3), 180, "3 nodes training")
+        frozen = tree(nodes[1].pid) + tree(nodes[2].pid)
+        _signal_tree(frozen, signal.SIGSTOP)
+        try:
+            os.kill(nodes[0].pid, signal.SIGKILL)
+            nodes[0].wait(30)
+            restarted_at = time.time()
+            nodes[0] = _one_worker(a, 0, port, workdir, "n1-back")
+            until(lambda: "do(es) not answer" in a.output(nodes[0])
+                  or formed_since(workdir, restarted_at) is not None, 90, "n1 restarted")
+            time.sleep(3.0)  # a fresh run would form at once (min_nodes 1)
+            fresh = formed_since(workdir, restarted_at)
+            assert fresh is None, f"a fresh run beside the frozen job: {fresh.describe()}"
+        finally:
+            _signal_tree(frozen, signal.SIGCONT)
+        back_at = time.time()
+        until(lambda: formed_since(workdir, back_at, 3), 90, "the job training again at world size 3")
+        assert formed_since(workdir, back_at, 3).attempt > 0  # type: ignore[union-attr]
+        bad = overlaps(groups(workdir))
+        assert not bad, f"two groups trained at once: {bad[0][0].describe()} | {bad[0][1].describe()}"

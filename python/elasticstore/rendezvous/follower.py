@@ -21,17 +21,18 @@ from __future__ import annotations
 import json
 import logging
 import socket
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
-from .failover import PROBE, Carried, HostRecord
+from .failover import PROBE, Carried, HostRecord, endpoint_of
 from .records import RecordError, int_field, parse_record
 from .settings import RendezvousSettings, numeric_host
 from .state import Keys
 
-__all__ = ["Follower", "find_copy", "own_follower", "start_follower"]
+__all__ = ["Follower", "Survey", "find_copy", "own_follower", "start_follower", "survey"]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +138,41 @@ def find_copy(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
         if record is not None and (best is None or record.epoch > best.epoch):
             best = record
     return best
+
+
+@dataclass
+class Survey:
+    """What the endpoints say of a run (:func:`survey`): the newest host record a store serves,
+    the newest copy a follower holds, and the endpoints that accept a connection but do not
+    answer (a stopped or frozen process listens there: perhaps a node of the run)."""
+
+    served: HostRecord | None = None
+    copy: HostRecord | None = None
+    silent: list[str] = field(default_factory=list)
+
+
+def survey(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
+           probe: float = PROBE) -> Survey:
+    """One short probe of each endpoint (a connect, then the host and follower records in one
+    connection): where a node that starts learns whether the run is alive."""
+    out = Survey()
+    wait = timedelta(seconds=probe)
+    for host, port in endpoints:
+        try:  # nothing listening is refused at once, with no retries
+            socket.create_connection((host, port), timeout=probe).close()
+        except OSError:
+            continue
+        try:
+            with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
+                served = HostRecord.from_json(st.try_get(keys.host))
+                copy = _copy_of(st.try_get(keys.follower))
+        except (StoreNetworkError, StoreTimeoutError):
+            out.silent.append(endpoint_of(host, port))  # accepted, no answer
+            continue
+        except StoreError:  # not a store of ours (or another token): says nothing of the run
+            continue
+        if served is not None and (out.served is None or served.epoch > out.served.epoch):
+            out.served = served
+        if copy is not None and (out.copy is None or copy.epoch > out.copy.epoch):
+            out.copy = copy
+    return out

@@ -19,8 +19,8 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
-from .failover import HostRecord, endpoint_of, find_host
-from .follower import find_copy
+from .failover import HostRecord, endpoint_of
+from .follower import survey
 from .settings import RendezvousSettings
 from .state import Keys
 
@@ -99,30 +99,45 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
 
 def _find_run(settings: RendezvousSettings) -> HostRecord | None:
     """Where a node that starts (late, or the old host back) joins a run whose store moved: the
-    newest host record served among the endpoints, when it is newer than epoch 1. While a
-    follower (``follower.py``) holds a copy of a host record newer than every served one, the
-    run is alive but its host lost and the next one not serving yet: waits for it (up to
-    ``join_timeout``) instead of hosting a fresh epoch 1 beside the survivors. None: no store
-    moved and no run is alive without its host (the first entry's node hosts, as before)."""
+    newest host record served among the endpoints, when it is newer than epoch 1. It waits (up
+    to ``join_timeout``) instead of hosting a fresh epoch 1 beside the run while the run may be
+    alive without a store it can reach: a follower (``follower.py``) holds a copy of a host
+    record newer than every served one (the host lost, the next one not serving yet), or an
+    endpoint accepts connections but does not answer (a node stopped or frozen: a partition, a
+    paused VM; its run may be alive). None: no store moved and nothing says a run is alive (the
+    first entry's node hosts, as before); also once a silent endpoint stayed silent for
+    ``join_timeout`` (a stuck process that is no node of the run must not block a new job)."""
     keys, token, endpoints = Keys(settings.run_id), settings.store_token, settings.member_endpoints()
+    own = (settings.local_address, settings.port)
     deadline = time.monotonic() + settings.join_timeout
-    told = False
+    told: set[str] = set()
     for _ in range(1 << 20):
-        served = find_host(endpoints, keys, token)
+        found = survey([e for e in endpoints if e != own], keys, token)
+        served, copy = found.served, found.copy
         if served is not None and served.epoch > 1:
             return served
-        copy = find_copy(endpoints, keys, token)
-        if copy is None or (served is not None and served.epoch >= copy.epoch):
+        alive = copy is not None and (served is None or served.epoch < copy.epoch)
+        if not alive and not found.silent:
             return None
-        if not told:
-            told = True
+        if alive and "copy" not in told:
+            told.add("copy")
             log.warning("rendezvous %s: the run is alive (a follower knows host %s, epoch %d) but "
                         "no store serves it: waiting for the next host", settings.run_id,
-                        copy.endpoint, copy.epoch)
+                        copy.endpoint, copy.epoch)  # type: ignore[union-attr]
+        elif not alive and "silent" not in told:
+            told.add("silent")
+            log.warning("rendezvous %s: %s accept(s) connections but do(es) not answer (stopped or "
+                        "cut off nodes of a running job?): waiting up to join_timeout %gs before "
+                        "hosting the run", settings.run_id, ", ".join(found.silent),
+                        settings.join_timeout)
         if time.monotonic() >= deadline:
+            if not alive:
+                log.warning("rendezvous %s: %s still silent after %gs: hosting the run",
+                            settings.run_id, ", ".join(found.silent), settings.join_timeout)
+                return None
             raise RendezvousConnectionError(
                 f"rendezvous {settings.run_id!r}: the run is alive (its nodes know host "
-                f"{copy.endpoint}, epoch {copy.epoch}) but no node served its store within "
+                f"{copy.endpoint}, epoch {copy.epoch}) but no node served its store within "  # type: ignore[union-attr]
                 f"join_timeout {settings.join_timeout:g}s among {', '.join(settings.endpoints)}")
         time.sleep(FIND_PERIOD)
     return None
