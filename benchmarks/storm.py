@@ -128,16 +128,30 @@ def raise_fd_limit(need: int) -> int:
     return hard
 
 
-def one_run(peer: str, n: int, key: str, batch: int) -> dict:
+SERVER_CPU, CLIENT_CPU = 1, 0  # --pin: each on its own CPU, as a server on its own host
+
+
+def client_setup(pin: bool) -> Callable[[], None]:
+    def setup() -> None:
+        procs.set_pdeathsig()
+        if pin:
+            os.sched_setaffinity(0, {CLIENT_CPU})
+    return setup
+
+
+def one_run(peer: str, n: int, key: str, batch: int, pin: bool = False) -> dict:
     start, proto, _ = PEERS[peer]
     srv = start()
     try:
         time.sleep(0.2)
+        if pin:
+            procs.pin_threads(srv.pid, {SERVER_CPU})
         rss0, cpu0, k0, mem0 = srv.rss(), srv.cpu_seconds(), kernel_counters(), tcp_mem_pages()
         client = subprocess.Popen(
             [storm_binary(), "client", "--port", str(srv.port), "--clients", str(n), "--proto", proto,
              "--key", key, "--batch", str(batch), "--timeout-s", str(CLIENT_TIMEOUT_S), "--hold", "1"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=procs.set_pdeathsig)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            preexec_fn=client_setup(pin))
         try:
             assert client.stdout is not None and client.stdin is not None
             s0, c0 = sched_ms(srv.pid), sched_ms(client.pid)
@@ -195,6 +209,7 @@ def render(doc: dict) -> str:
         f"{doc['machine_note']}. Private network namespace: somaxconn {doc['somaxconn']}, "
         f"tcp_max_syn_backlog {doc['max_syn_backlog']}; open-file limit {doc['fd_limit']}; "
         f"nice {doc['nice']}; "
+        f"{'server and load generator pinned to CPUs 1 and 0' if doc.get('pinned') else 'not pinned'}; "
         f"1-min load {doc['load_before']} before, {doc['load_after']} after; up to {doc['runs']} "
         "runs per cell (a run cut at its time bound counts fewer), fresh server each, peers in "
         "rotating order.",
@@ -246,6 +261,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nice", type=int, default=0,
                     help="run servers and clients at this nice value (negative: root; a shared "
                          "machine's other load then delays them less)")
+    ap.add_argument("--pin", action="store_true",
+                    help=f"server on CPU {SERVER_CPU}, load generator on CPU {CLIENT_CPU} (never "
+                         "on one CPU together, as with a server on its own host)")
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--merge", default="", metavar="A.json,B.json",
                     help="no measuring: merge earlier runs' results (e.g. one per size) into OUT")
@@ -286,7 +304,7 @@ def main(argv: list[str]) -> int:
         "machine": machine.machine(), "machine_note": args.machine_note or "shared machine",
         "somaxconn": int(read("/proc/sys/net/core/somaxconn")),
         "max_syn_backlog": int(read("/proc/sys/net/ipv4/tcp_max_syn_backlog")),
-        "fd_limit": fd_limit, "nice": args.nice, "runs": args.runs, "batch": args.batch, "peers": names,
+        "fd_limit": fd_limit, "nice": args.nice, "pinned": args.pin, "runs": args.runs, "batch": args.batch, "peers": names,
         "load_before": round(os.getloadavg()[0], 2), "results": [],
         "peer_notes": {p: PEERS[p][2] for p in names},
     }
@@ -294,7 +312,7 @@ def main(argv: list[str]) -> int:
         for i in range(args.runs):
             order = names[i % len(names):] + names[:i % len(names)]
             for peer in order:
-                r = one_run(peer, n, f"storm{i}", args.batch or n)
+                r = one_run(peer, n, f"storm{i}", args.batch or n, args.pin)
                 doc["results"].append(r)
                 print(f"{n:6d} {peer:28s} {r['all_done_ms']:8.1f} ms  refused {r['refused']} "
                       f"reset {r['reset_in_handshake'] + r['reset_at_connect'] + r['closed_in_handshake']} "
