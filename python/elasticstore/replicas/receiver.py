@@ -71,9 +71,12 @@ class Receiver:
         self._stop = threading.Event()
         self._conn: socket.socket | None = None  # the transfer in progress
         try:
-            self._sock = socket.create_server((host, 0))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._sock = socket.create_server((host, 0), family=family)
         except OSError:  # a name for another interface: every interface (a token, or the allowlist)
-            self._sock = socket.create_server(("", 0))
+            dual = socket.has_dualstack_ipv6()
+            self._sock = socket.create_server(
+                ("", 0), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual)
         self._sock.settimeout(0.2)
         self.port = int(self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._serve, name="replica-receiver", daemon=True)
