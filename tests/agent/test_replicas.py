@@ -9,6 +9,7 @@ sockets on loopback, real snapshot files: what lands where, what is kept, who is
 - A wrong token, or (without a token) an address that is not the predecessor's: nothing lands.
 - Replicated (DDP) state is not replicated.
 - Replicas from before a resume to an older step are dropped once this node took a step again.
+- Three services form their ring through a round's store.
 """
 
 from __future__ import annotations
@@ -166,3 +167,39 @@ def test_replicas_from_before_a_resume_are_dropped(areas: tuple[str, str]) -> No
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None:
+    """Three services publish their endpoints in one round's store (no token: each takes its
+    predecessor's address only): node i's files land on node (i + 1) % 3; in the next round of
+    one node there is no ring and what arrived stays."""
+    import threading
+
+    import torch.distributed as dist
+
+    from elasticstore.replicas import ReplicaService
+
+    store = dist.HashStore()
+    hosts = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    areas = [str(tmp_path / f"n{i}") for i in range(3)]
+    for area in areas:
+        os.mkdir(area)
+    services = [ReplicaService(area, 1, host, "") for area, host in zip(areas, hosts)]
+    try:
+        rounds = [threading.Thread(target=s.new_round, args=(store, 0, i, 3))
+                  for i, s in enumerate(services)]
+        for t in rounds:
+            t.start()
+        for t in rounds:
+            t.join(30)
+        for i, area in enumerate(areas):
+            write(area, 1, 0, i, 3, float(i))
+        for i in range(3):
+            until(lambda i=i: held(services[(i + 1) % 3].receiver) ==
+                  [f"step-000000000001.local-{i}.snap"], f"node {i}'s file on node {(i + 1) % 3}")
+        services[0].new_round(store, 1, 0, 1)
+        assert services[0].sender._target is None
+        assert held(services[0].receiver) == ["step-000000000001.local-2.snap"]
+    finally:
+        for s in services:
+            s.close()
