@@ -206,9 +206,6 @@ def _signal_tree(pids: list[int], sig: int) -> None:
             pass
 
 
-@pytest.mark.xfail(strict=True, reason="open: a node that hosted and gave its store up keeps no "
-                   "follower (takeover._serve consumes it; nothing restores it), so the first "
-                   "entry's node restarted while the host is silent hosts a fresh run")
 def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_path: object) -> None:
     """A node that hosted the store and gave it up (SIGSTOPped while the others moved on, then
     continued) listens as a follower again: with the store's host silent, the first entry's node
