@@ -55,6 +55,8 @@ class Decider:
         self._b, self._k, self._s = backend, keys, settings
         self._target, self._deadline, self._on_deadline = target, deadline, on_deadline
         self._min_since: float | None = None  # kept across passes: the last call goes on
+        self._passes = 0
+        self._wrote = False
 
     def run(self) -> RoundState:
         try:
@@ -62,11 +64,15 @@ class Decider:
             # reads the run's keys again, and the deadline bounds them all.
             for _ in range(1 << 20):
                 state = self._form()
+                self._passes += 1
                 if state is not None:
                     return state
             raise RuntimeError(f"round {self._target}: could not write the round record")
         finally:
-            self._b.delete(self._k.decider(self._target))
+            # Kept once the round is written (the next round's decider deletes it, and it goes
+            # with this node's session): its delete would wake every node waiting on ctl/.
+            if not self._wrote:
+                self._b.delete(self._k.decider(self._target))
 
     def _form(self) -> RoundState | None:
         b, k, s, target = self._b, self._k, self._s, self._target
@@ -75,13 +81,14 @@ class Decider:
         prev = RoundState.from_json(prev_bytes) if prev_bytes is not None else None
         if prev is not None and prev.round >= target:
             return prev
-        alive = _names(b.list(k.alive_prefix))
-        joined = _names(b.list(k.join_prefix(target)))
-        restart = b.get(k.restart(target - 1)) is not None if prev else False
-        if b.get(k.closed) is not None:  # set while a pass's events were skipped
+        join_prefix, restart_key = k.join_prefix(target), k.restart(target - 1)
+        run_keys = b.list(k.base)  # one read: the live and the joined nodes
+        alive = _names([key for key in run_keys if key.startswith(k.alive_prefix)])
+        joined = _names([key for key in run_keys if key.startswith(join_prefix)])
+        restart = restart_key in run_keys if prev else False
+        if self._passes and k.closed in run_keys:  # set while a pass's events were skipped
             raise RendezvousClosedError(f"rendezvous {s.run_id!r} closed")
         expect, expect_until, quorum = self._quorum(prev)
-        join_prefix, restart_key = k.join_prefix(target), k.restart(target - 1)
         # Past this many events in one pass, the keys are read again instead: one watch per
         # event lags behind a join storm of thousands (a round trip and, in a busy process, a
         # wait for the interpreter each), while two lists jump over the whole backlog.
@@ -101,6 +108,7 @@ class Decider:
             if isinstance(action, decisions.Complete):
                 if not b.cas(k.round, prev_bytes, action.state.to_json()):
                     return None  # re-read: the record changed under us
+                self._wrote = True
                 self._clean(target)
                 return action.state
             if isinstance(action, decisions.Signal):
@@ -156,7 +164,10 @@ class Decider:
         return frozenset(), None, failover.fence_quorum(prev)
 
     def _clean(self, target: int) -> None:
-        """Drops the signals of round ``target - 2`` (nobody reads them any more)."""
+        """Drops the previous round's decider key and the signals of round ``target - 2``
+        (nobody reads them any more)."""
+        if target > 1:
+            self._b.delete(self._k.decider(target - 1))
         if target > 2:
             self._b.delete(self._k.restart(target - 2))
             self._b.delete(self._k.boot(target - 2))

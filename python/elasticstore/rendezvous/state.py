@@ -5,7 +5,8 @@ Keys of run ``R`` (relative to the backend's store)::
     rdzv/R/alive/{node}       session-bound (native) or leased (etcd): the node lives
     rdzv/R/join/{T}/{node}    session-bound: the node wants to be in round T
     rdzv/R/ctl/round          the round record (JSON), written once per round by compare-and-set
-    rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten)
+    rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten;
+                              kept once T is written, deleted by the decider of T + 1)
     rdzv/R/ctl/restart/{T}    round T must be replaced (a participant was lost, a node waits)
     rdzv/R/ctl/boot/{T}       "addr:port" of round T's worker store (hosted by its rank 0)
     rdzv/R/ctl/check/{T}      session-bound: the waiting node that checks T's decider (native)
