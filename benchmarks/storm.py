@@ -239,9 +239,9 @@ def render(doc: dict) -> str:
                 f"{k['TcpExtListenOverflows']:.0f} | {k['TcpExtListenDrops']:.0f} | "
                 f"{k['TcpExtTCPTimeouts']:.0f} | {s['server_cpu_us_per_client']:.1f} us | "
                 f"{s['client_cpu_s']:.2f} s | {s['server_waiting']:.0%} / {s['client_waiting']:.0%} | {rss} |")
-    lines += ["", "Peers:", ""]
     if doc.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in doc["notes"]]
+    lines += ["", "Peers:", ""]
     notes = doc.get("peer_notes", {})
     lines += [f"- `{p}`: {notes.get(p) or PEERS[p][2]}" for p in doc["peers"]]
     return "\n".join(lines) + "\n"
