@@ -172,7 +172,8 @@ def test_replicas_from_before_a_resume_are_dropped(areas: tuple[str, str]) -> No
 def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None:
     """Three services publish their endpoints in one round's store (no token: each takes its
     predecessor's address only): node i's files land on node (i + 1) % 3; in the next round of
-    one node there is no ring and what arrived stays."""
+    one node there is no ring and what arrived stays; a round whose other node never publishes
+    does not hold the caller up."""
     import threading
 
     import torch.distributed as dist
@@ -200,6 +201,10 @@ def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None
         services[0].new_round(store, 1, 0, 1)
         assert services[0].sender._target is None
         assert held(services[0].receiver) == ["step-000000000001.local-2.snap"]
+        # a round whose other node never publishes: the agent is not held up (a thread looks)
+        started = time.monotonic()
+        services[1].new_round(store, 2, 1, 2)
+        assert time.monotonic() - started < 2.0 and services[1].sender._target is None
     finally:
         for s in services:
             s.close()

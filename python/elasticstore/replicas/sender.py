@@ -191,7 +191,10 @@ class Sender:
         fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
         try:
             stats = [os.fstat(fd) for fd in fds]
-            heads = [peek(fd=fd) for fd in fds]
+            try:
+                heads = [peek(fd=fd) for fd in fds]
+            except ValueError:
+                return False  # being rewritten (its worker took it for a newer step): next pass
             if any(h.step != step for h in heads):
                 return False
             sizes = [h.used for h in heads]  # not the buffer's spare room

@@ -2,20 +2,23 @@
 and, each round, the ring: node ``i`` of the round's ``n`` nodes sends to node ``(i + 1) % n``.
 
 Each agent publishes its receiver's address in the round's store (``key``) once its workers
-started, then reads its successor's and its predecessor's (a bounded wait: they publish at the
-same moment, right after the round's worker counts). A round of one node has no ring: the
-sender idles and what the receiver holds stays (the replicas of a node just lost are what this
-node restores from).
+started; a thread of its own then looks for its successor's and its predecessor's (they publish
+at about the same moment, right after the round's worker counts), asking the store whether they
+are there every ``POLL_S`` (short calls: the agent's own use of the store never waits behind a
+blocking wait), for at most ``LOOKUP_S``. The agent is never held up: a neighbour lost before it
+published costs that round's replicas (said), not the agent's watch over its workers. A round of
+one node has no ring: the sender idles and what the receiver holds stays (the replicas of a node
+just lost are what this node restores from).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from .receiver import Receiver
@@ -23,7 +26,8 @@ from .sender import Sender
 
 __all__ = ["LOOKUP_S", "ReplicaService", "key"]
 
-LOOKUP_S = 10.0  # waiting for the ring neighbours' addresses in the round's store
+LOOKUP_S = 60.0  # looking for the ring neighbours' addresses in the round's store
+POLL_S = 0.1
 _MAX_RECORD = 1024
 
 
@@ -52,6 +56,8 @@ class ReplicaService:
     def __init__(self, area: str, nproc: int, host: str, token: str,
                  log: Callable[[str], None] = lambda _: None) -> None:
         self.host, self._log = host, log
+        self._round = 0  # new_round's count: a lookup of an earlier round gives up
+        self._lock = threading.Lock()
         self.receiver = Receiver(area, host, token, log)
         try:
             self.sender = Sender(area, nproc, uuid.uuid4().hex, token, host, log,
@@ -61,11 +67,13 @@ class ReplicaService:
             raise
 
     def new_round(self, store: Any, attempt: int, node_rank: int, nnodes: int) -> None:
-        """Publishes this receiver's address in the round's ``store``; points the sender at the
-        successor and lets the predecessor in. A neighbour that does not publish within
-        ``LOOKUP_S``: no replicas this round (said)."""
-        self.sender.set_target(None)
-        self.receiver.allow(set())
+        """Publishes this receiver's address in the round's ``store``; a thread then points the
+        sender at the successor and lets the predecessor in, once both published (module doc)."""
+        with self._lock:
+            self._round += 1
+            number = self._round
+            self.sender.set_target(None)
+            self.receiver.allow(set())
         self.receiver.new_round(attempt)
         self.sender.new_round(attempt, time.time_ns())
         store.set(key(attempt, node_rank),
@@ -73,19 +81,34 @@ class ReplicaService:
         if nnodes < 2:
             return
         succ, pred = (node_rank + 1) % nnodes, (node_rank - 1) % nnodes
+        threading.Thread(target=self._find, args=(store, number, attempt, succ, pred),
+                         name="replica-ring", daemon=True).start()
+
+    def _find(self, store: Any, number: int, attempt: int, succ: int, pred: int) -> None:
         names = [key(attempt, succ), key(attempt, pred)]
+        deadline = time.monotonic() + LOOKUP_S
         try:
-            store.wait(names, timedelta(seconds=LOOKUP_S))
+            while not store.check(names):
+                if self._round != number:
+                    return  # a newer round (or close)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not published within {LOOKUP_S:.0f}s")
+                time.sleep(POLL_S)
             (s_host, s_port), (p_host, _) = (
                 _parse(v, n) for v, n in zip(store.multi_get(names), (succ, pred)))
-            preds = {info[4][0] for info in socket.getaddrinfo(p_host, None)}
+            preds = {str(info[4][0]) for info in socket.getaddrinfo(p_host, None)}
         except Exception as err:  # the store's errors, a bad record, a name that does not resolve
-            self._log(f"[elasticstore-run] no replicas this round: the ring neighbours' "
-                      f"addresses ({type(err).__name__}: {err})")
+            if self._round == number:
+                self._log(f"[elasticstore-run] no replicas this round: the ring neighbours' "
+                          f"addresses ({type(err).__name__}: {err})")
             return
-        self.receiver.allow({str(p) for p in preds})
-        self.sender.set_target((s_host, s_port))
+        with self._lock:
+            if self._round == number:
+                self.receiver.allow(preds)
+                self.sender.set_target((s_host, s_port))
 
     def close(self) -> None:
+        with self._lock:
+            self._round += 1  # a lookup in progress gives up
         self.sender.close()
         self.receiver.close()
