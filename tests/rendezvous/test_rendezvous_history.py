@@ -1,14 +1,10 @@
-"""The rendezvous against the server's watch history: a ring watcher whose store's history moved
-past it (more changes than the history holds, e.g. the beats of a large run over hours) still
-notices its successor's loss; a round that forms at once adds no decider check to it."""
+"""A ring watcher whose store's watch history moved past it (more changes than the server's
+history holds, e.g. the beats of a large run over hours) still notices its successor's loss."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-
-import pytest
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -43,22 +39,3 @@ def test_ring_watcher_behind_the_history_still_sees_a_loss() -> None:
             for h in handlers:
                 h.shutdown()
 
-
-def test_round_formed_at_once_costs_no_decider_check() -> None:
-    """The waiting nodes' check of the decider is claimed only after a quarter of the lease:
-    a round that forms sooner writes no ``ctl/check`` key (no call, no event waking every
-    waiting node)."""
-    with elasticstore.StoreServer("127.0.0.1", 0) as server:
-        handlers = [get_rendezvous_handler(RendezvousParameters(
-            "elasticstore", server.address, "chk", 3, 3, "127.0.0.1", lease_ttl=20,
-            join_timeout=30)) for _ in range(3)]
-        try:
-            with ThreadPoolExecutor(3) as pool:
-                infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
-            assert sorted(i.rank for i in infos) == [0, 1, 2]
-            with elasticstore.Store("127.0.0.1", server.port) as store:
-                with pytest.raises(elasticstore.StoreTimeoutError):  # nothing in the history
-                    store.watch("rdzv/chk/ctl/check/", 0, timedelta(seconds=0.01), prefix=True)
-        finally:
-            for h in handlers:
-                h.shutdown()

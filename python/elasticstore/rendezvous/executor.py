@@ -91,7 +91,7 @@ class Decider:
         expect, expect_until, quorum = self._quorum(prev)
         # Past this many events in one pass, the keys are read again instead: one watch per
         # event lags behind a join storm of thousands (a round trip and, in a busy process, a
-        # wait for the interpreter each), while two lists jump over the whole backlog.
+        # wait for the interpreter each), while one list jumps over the whole backlog.
         catch_up, events = max(CATCH_UP, (len(alive) + len(joined)) // 16), 0
         early = time.monotonic() + CATCH_UP_AFTER
         while True:
@@ -259,9 +259,8 @@ class DeciderCheck:
     silent session open (native: the decider's session-bound ``ctl/decider/T`` would outlive a
     SIGSTOP, a partition or a power loss, and the others would wait until ``join_timeout``).
 
-    One waiting node checks: the one that created the session-bound ``ctl/check/T`` once it had
-    waited ``ttl/4`` (the others claim it again, :meth:`claim`, when its delete comes as an
-    event; a round formed sooner costs no claim), so a thousand waiting
+    One waiting node checks: the one that created the session-bound ``ctl/check/T`` (the others
+    claim it again, :meth:`claim`, when its delete comes as an event), so a thousand waiting
     nodes cost the store and their process no more than one. Every ``ttl/4`` seconds
     (:meth:`due`), :meth:`check` reads who decides and that node's beat count, which its
     heartbeat rewrites every ``ttl/3``. Unchanged (or missing) for ``ttl`` seconds: the decider
@@ -278,16 +277,13 @@ class DeciderCheck:
         self._seen: tuple[bytes | None, bytes | None] | None = None  # (decider, its beat count)
         self._since = 0.0
         self._mine = False
-        # Claimed once the wait lasted a period (the first check was due then anyway): a round
-        # that forms sooner costs no call, and no event that wakes every waiting node.
-        self._claim_at: float | None = time.monotonic() + self._period
+        self.claim()
 
     def claim(self) -> None:
-        """Becomes the round's checker unless another node is; its first check is due now."""
+        """Becomes the round's checker unless another node is."""
         if not self._mine:
-            self._claim_at = None
             self._mine = self._b.create(self._k.check(self._target), self._node, ephemeral=True)
-            self._next = time.monotonic()
+            self._next = time.monotonic() + self._period
 
     def release(self) -> None:
         """Leaves the check to another waiting node (this one decides, or stops waiting)."""
@@ -296,15 +292,12 @@ class DeciderCheck:
             self._b.delete(self._k.check(self._target))
 
     def due(self) -> float | None:
-        """Seconds until the next check (or the claim); None when another node checks."""
-        at = self._next if self._mine else self._claim_at
-        return None if at is None else max(0.0, at - time.monotonic())
+        """Seconds until the next check; None when another node checks."""
+        return max(0.0, self._next - time.monotonic()) if self._mine else None
 
     def check(self) -> bool:
         """True when a silent decider was removed (a no-op before the next check is due)."""
         now = time.monotonic()
-        if not self._mine and self._claim_at is not None and now >= self._claim_at:
-            self.claim()
         if not self._mine or now < self._next:
             return False
         self._next = now + self._period
