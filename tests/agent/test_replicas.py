@@ -10,6 +10,7 @@ sockets on loopback, real snapshot files: what lands where, what is kept, who is
 - Replicated (DDP) state is not replicated.
 - Replicas from before a resume to an older step are dropped once this node took a step again.
 - Three services form their ring through a round's store.
+- A file its worker takes for a newer step while it is sent is withdrawn, never placed.
 """
 
 from __future__ import annotations
@@ -208,3 +209,42 @@ def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None
     finally:
         for s in services:
             s.close()
+
+
+def test_a_file_taken_for_a_newer_step_mid_copy_is_withdrawn(areas: tuple[str, str]) -> None:
+    """The sender's peer here is a plain socket speaking the wire: once the header came, the
+    worker's reuse of the file is played (renamed away to a temporary name, rewritten); the
+    bytes sent are then not the snapshot that was announced, and the sender withdraws them
+    (commit false) instead of having them placed."""
+    import socket
+    import threading
+
+    from elasticstore.replicas.wire import PREAMBLE, recv_exact, recv_frame, send_frame
+
+    a, _ = areas
+    path = write(a, 6, 0, 0, 2, 6.0)
+    server = socket.create_server((HOST, 0))
+    server.settimeout(20)
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        deadline = time.monotonic() + 20
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(PREAMBLE + os.urandom(32))
+            head = recv_frame(conn, deadline)
+            os.rename(path, os.path.join(a, fileformat.tmp_name(0)))  # the worker takes it
+            send_frame(conn, {"ok": True}, deadline)
+            recv_exact(conn, sum(head["sizes"]), deadline)
+            seen["commit"] = recv_frame(conn, deadline).get("commit")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sender = Sender(a, 1, "node-a", "", HOST)
+    try:
+        sender.set_target((HOST, server.getsockname()[1]))
+        thread.join(30)
+        assert seen == {"commit": False} and sender.sent == 0
+    finally:
+        sender.close()
+        server.close()
