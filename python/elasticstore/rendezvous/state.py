@@ -119,7 +119,8 @@ class RoundState:
                 raise ValueError(f"round {rnd!r}")
             if not isinstance(parts, list) or not isinstance(standby, list):
                 raise ValueError("participants and standby must be lists")
-            if not all(isinstance(p, str) for p in [*parts, *standby]):
+            # C-speed check: every node of a 4,096-node record parsed by each of its nodes
+            if not {*map(type, parts), *map(type, standby)} <= {str}:
                 raise ValueError("node ids must be strings")
             return cls(rnd, tuple(parts), tuple(standby))
         except RecordError as exc:
