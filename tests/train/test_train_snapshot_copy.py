@@ -114,3 +114,55 @@ def test_copy_ranges_cover_every_element_once() -> None:
     dst = [torch.empty(t.shape, dtype=t.dtype) for t in src]
     copy_into(dst, src, sum(t.nbytes for t in src), True)
     assert all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
+@pytest.mark.slow  # 5-25 s: a torch process and up to 15 s of reads, on a loaded 2-core machine
+def test_a_snapshot_reused_while_read_is_refused_never_torn(shm_root: str) -> None:
+    """A reader (the agent's flush at preemption, a replica sender) opens a complete snapshot, and
+    the writer takes that file's memory for a newer step while it reads: ``read_snapshot`` raises
+    ``ValueError`` (the header changed under it), never a mix of two steps. The reader reads the
+    oldest complete file (the next to be reused) and the newest in turn, over and over, while a
+    writer takes snapshots of a 32 MB state in a loop. (Before the check, a read of the
+    oldest returned step 3's tensors part overwritten with step 5's.)"""
+    import torch
+
+    from elasticstore.train.snapshots.fileformat import list_snapshots, read_snapshot
+
+    directory = os.path.join(shm_root, "node")
+    os.mkdir(directory)
+    # a pause after each snapshot: a read of the newest (0.01-0.5 s, with the machine's load)
+    # has time to finish before its memory is taken, two snapshots later
+    proc = subprocess.Popen([sys.executable, WRITER, directory, "32", "100000", "0.3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while int(proc.stdout.readline() or -1) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, "no snapshots"
+        whole = refused = reads = 0
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (refused < 3 or whole < 5):
+            found = list_snapshots(directory)
+            if not found:
+                continue
+            reads += 1
+            step, _, path = found[0 if reads % 2 else -1]  # the oldest, the newest in turn
+            try:
+                got, _, state = read_snapshot(path)
+            except (ValueError, FileNotFoundError):
+                refused += 1
+                continue
+            assert got == state["step"] == step, (got, state["step"], step)
+            for key in "abci":
+                assert bool(torch.all(state[key] == step)), f"{key}: torn read of step {step}"
+            whole += 1
+        assert proc.poll() is None, "the writer stopped"
+        assert whole > 0, f"no read got a whole snapshot ({refused} refused)"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)

@@ -22,7 +22,11 @@ views into it are kept while the layout of the tensors stays the same, and the t
 in one call, or by a few threads for a large state (``copying.py``).
 
 Files are written under a temporary name and renamed to ``step-<step, 12 digits>.local-<local
-rank>.snap`` when complete: a reader never sees a half-written snapshot.
+rank>.snap`` when complete: a reader never sees a half-written snapshot. A file whose memory is
+taken for a newer snapshot while someone reads it (the agent's flush, a replica sender) has its
+header's magic cleared before anything else is written and the new header written last:
+``read_snapshot`` compares the header after cloning with the one it started from, and raises
+``ValueError`` when it changed, never returning a mix of two steps.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ __all__ = ["Buffer", "Encoded", "decode", "encode", "list_snapshots", "prepare",
            "snapshot_name"]
 
 _MAGIC = b"ESNAP\x00\x02\x00"
+_NO_MAGIC = bytes(8)  # a header whose snapshot is being overwritten
+_NO_MAGIC_LEN = len(_NO_MAGIC)
 _HEADER = struct.Struct("<8sqQQQ")  # magic, step, data bytes, skeleton offset, skeleton bytes
 _ALIGN = 64  # every tensor's bytes start at a multiple of this (any dtype's alignment)
 _DATA = 64  # where the tensor data starts (after the header)
@@ -311,10 +317,11 @@ class _NoSuchType:
 def encode(enc: Encoded, step: int, buf: Buffer) -> int:
     """Copies ``enc`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
     total, skel_offset = enc.total, enc.skel_offset
+    mm = buf.mapped(total)
+    mm[:_NO_MAGIC_LEN] = _NO_MAGIC  # first: a reader of the snapshot held here sees it change
     if enc.tensors:
         copy_into(buf.views(enc.layout, enc.data_size, total), enc.tensors, enc.data_size,
                   enc.on_cpu)
-    mm = buf.mapped(total)
     mm[skel_offset:total] = enc.skeleton
     mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, enc.data_size, skel_offset, len(enc.skeleton))
     buf.step = step
@@ -324,7 +331,8 @@ def encode(enc: Encoded, step: int, buf: Buffer) -> int:
 def _decode_bytes(mm: mmap.mmap, size: int, clone: bool = True) -> tuple[int, Any, Any]:
     if size < _DATA:
         raise ValueError("shorter than a snapshot header")
-    magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(mm[:_HEADER.size])
+    header = mm[:_HEADER.size]
+    magic, step, data_len, skel_offset, skel_len = _HEADER.unpack(header)
     if magic != _MAGIC:
         raise ValueError("not a snapshot")
     if _DATA + data_len > skel_offset or skel_offset + skel_len > size:
@@ -337,6 +345,9 @@ def _decode_bytes(mm: mmap.mmap, size: int, clone: bool = True) -> tuple[int, An
         loaded = _Unpickler(skeleton, data, clone).load()
         if not (isinstance(loaded, tuple) and len(loaded) == 2):
             raise ValueError("not an (identity, state) pair")
+        if clone and mm[:_HEADER.size] != header:
+            raise ValueError(f"changed while it was read: its memory now holds a newer "
+                             f"snapshot than step {step}")
         return step, loaded[0], loaded[1]
     finally:
         del data
@@ -350,8 +361,10 @@ def decode(buf: Buffer) -> tuple[int, Any, Any]:
 
 def read_snapshot(path: str, clone: bool = True) -> tuple[int, Any, Any]:
     """(step, identity record, state) of the snapshot file ``path``; ``ValueError`` when it is
-    not one. ``clone=False``: the tensors view a private (copy-on-write) mapping of the file,
-    which lives as long as they do (nothing copied until written)."""
+    not one, or when its writer took its memory for a newer snapshot while it was read.
+    ``clone=False``: the tensors view a private (copy-on-write) mapping of the file, which lives
+    as long as they do (nothing copied until written; not checked: they change if the writer
+    reuses the file, so take them only from files no writer reuses meanwhile)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
