@@ -70,6 +70,7 @@ class Receiver:
         self.received = 0  # transfers placed
         self._stop = threading.Event()
         self._conn: socket.socket | None = None  # the transfer in progress
+        self._said: set[str] = set()  # peers whose failure was said
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._sock = socket.create_server((host, 0), family=family)
@@ -120,8 +121,10 @@ class Receiver:
             with conn:
                 try:
                     self._handle(conn, _ip(peer[0]))
+                    self._said.discard(peer[0])
                 except Exception as err:  # the endpoint serves on, whatever one transfer did
-                    if not self._stop.is_set():
+                    if not self._stop.is_set() and peer[0] not in self._said:
+                        self._said.add(peer[0])  # once per peer until one of its transfers works
                         self._log(f"[elasticstore-run] replica from {peer[0]} not taken: {err}")
             self._conn = None
 
@@ -156,7 +159,7 @@ class Receiver:
                 tmps.append(os.path.join(self.dir, f"{_TMP}{uuid.uuid4().hex}"))
                 _receive_file(conn, tmps[-1], size, deadline)
             if recv_frame(conn, deadline).get("commit") is not True:
-                raise ReplicaError(f"step {step}: the sender withdrew it (a file changed)")
+                return  # a file was taken for a newer step while sent: nothing to say
             try:
                 with self._lock:
                     self._place(sender, step, written, tmps)
