@@ -189,11 +189,12 @@ def test_silent_host_noticed_within_store_timeout(tmp_path: object) -> None:
         _finish(a, nodes, workdir)
 
 
-def _one_worker(a: Any, i: int, port: int, workdir: str, name: str) -> subprocess.Popen[bytes]:
+def _one_worker(a: Any, i: int, port: int, workdir: str, name: str,
+                join_timeout: int = 40) -> subprocess.Popen[bytes]:
     endpoints = ",".join(f"{addr}:{port}" for addr in ADDRS)
     flags = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-endpoint", endpoints,
              "--local-addr", ADDRS[i], "--rdzv-id", "job", "--max-restarts", "10", "--rdzv-conf",
-             "last_call_timeout=1,join_timeout=40,store_timeout=10"]
+             f"last_call_timeout=1,join_timeout={join_timeout},store_timeout=10"]
     return a.start(flags, ["--dir", workdir], name=name, script=STEPS_TRAIN,
                    env={"ELASTICSTORE_TEST_NODE": ADDRS[i], "STEPS_TERM_DELAY": ""})
 
@@ -284,3 +285,30 @@ def test_host_restarted_while_the_others_are_frozen_waits_for_them(tmp_path: obj
         assert formed_since(workdir, back_at, 3).attempt > 0  # type: ignore[union-attr]
         bad = overlaps(groups(workdir))
         assert not bad, f"two groups trained at once: {bad[0][0].describe()} | {bad[0][1].describe()}"
+
+
+def test_majority_lost_at_once_closes_the_run_instead_of_starting_it_afresh(tmp_path: object) -> None:
+    """The host and a second node SIGKILLed at once and restarted (a supervisor): the survivor
+    hosts the next epoch but the quorum rule (a majority of the last round) cannot be met, the
+    restarted nodes being new members. After join_timeout the survivor closes the run, saying
+    why, and everyone exits non-zero: no fresh run (round 1 again, its records lost) forms
+    under the run id once the survivor is gone. Before, the survivor timed out without closing
+    the run; the nemesis (seed s2) then saw restarted nodes start the run afresh (1 worker per
+    node; ~40-80 s)."""
+    workdir, port = str(tmp_path), free_port()
+    with agents(workdir) as a:
+        nodes = [_one_worker(a, i, port, workdir, f"n{i + 1}", join_timeout=15) for i in range(3)]
+        until(lambda: trained_since(workdir, 0, 3), 180, "3 nodes training")
+        for n in nodes[:2]:
+            os.kill(n.pid, signal.SIGKILL)
+        for n in nodes[:2]:
+            n.wait(30)
+        killed_at = time.time()
+        # The restarted nodes would wait longer than the survivor: they outlive its store.
+        nodes[:2] = [_one_worker(a, i, port, workdir, f"n{i + 1}-back", join_timeout=45)
+                     for i in range(2)]
+        codes = [n.wait(120) for n in nodes]
+        assert all(c != 0 for c in codes), codes
+        fresh = formed_since(workdir, killed_at)
+        assert fresh is None, f"a fresh run after the majority was lost: {fresh.describe()}"
+        assert "more than half of round" in a.output(nodes[2]), a.output(nodes[2])

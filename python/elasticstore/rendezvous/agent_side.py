@@ -137,6 +137,31 @@ class AgentSide:
             watch.end()
         serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
 
+    def _close_without_quorum(self, late: BaseException) -> None:
+        """The first round on a store this node took over did not form within ``join_timeout``
+        (short of the quorum: more than half of the last round's nodes lost at once, restarted
+        ones being new members): closes the run there, so that the nodes waiting in it exit
+        saying why instead of starting the run afresh (round 1 again, its records lost) once
+        this node is gone. A majority on the other side of a partition trains on its own store,
+        which this does not touch. Never raises."""
+        seeded, backend = self._seeded_round, self._backend
+        if seeded is None or backend.server is None or not self._fails_over:
+            return
+        try:
+            data = backend.store.try_get(self._keys.round)
+            state = RoundState.from_json(data) if data is not None else None
+            if state is not None and state.round > seeded:
+                return  # a round formed here since the switch: not a lost quorum
+            reason = (f"the store's host was lost together with more than half of round "
+                      f"{seeded}'s nodes and too few of them came back within join_timeout "
+                      f"{self._settings.join_timeout:g}s to go on safely ({late})")
+            record = json.dumps({"reason": reason[:2000]})
+            backend.create(self._keys.closed, record)
+            self._carried.closed = record.encode()
+            log.warning("rendezvous %s: closed: %s", self._settings.run_id, reason)
+        except Exception as exc:
+            log.warning("rendezvous %s: closing the run failed: %s", self._settings.run_id, exc)
+
     def _outranked(self, other: HostRecord, other_round: int) -> bool:
         """Whether this node's store must give way to ``other`` (served, at round
         ``other_round``): a newer epoch always (a majority moved on: this store can form no

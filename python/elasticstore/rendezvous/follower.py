@@ -8,7 +8,7 @@ and the last round's number) under ``ctl/follower``. Two things rest on it (``fa
 - A node that starts (or comes back, the old host restarted with the same command line) finds
   the run alive at a survivor even while no store serves it (its host is lost and the next one not
   serving yet): it then waits for the next host instead of hosting a fresh epoch 1 beside the
-  survivors (:func:`find_copy`, used by ``native.create_native_backend``).
+  survivors (:func:`survey`, used by ``native.create_native_backend``).
 - The first candidate's switch is immediate: its server is listening already; taking over seeds it
   (``takeover.py``) and the node's follower role ends (:meth:`Follower.promote`).
 
@@ -32,7 +32,7 @@ from .records import RecordError, int_field, parse_record
 from .settings import RendezvousSettings, numeric_host
 from .state import Keys
 
-__all__ = ["Follower", "Survey", "find_copy", "own_follower", "start_follower", "survey"]
+__all__ = ["Follower", "Survey", "own_follower", "start_follower", "survey"]
 
 log = logging.getLogger(__name__)
 
@@ -116,28 +116,6 @@ def _copy_of(data: bytes | None) -> HostRecord | None:
     if not isinstance(obj, dict) or int_field(obj, "schema", 0) != 1:
         return None
     return HostRecord.from_json(json.dumps(obj.get("host")).encode())
-
-
-def find_copy(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
-              probe: float = PROBE) -> HostRecord | None:
-    """The newest host record that a follower among ``endpoints`` holds a copy of: the run is
-    alive there (some agent of it runs), whether or not a store serves it now."""
-    best: HostRecord | None = None
-    wait = timedelta(seconds=probe)
-    key = keys.follower
-    for host, port in endpoints:
-        try:
-            socket.create_connection((host, port), timeout=probe).close()
-        except OSError:
-            continue
-        try:
-            with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
-                record = _copy_of(st.try_get(key))
-        except (StoreNetworkError, StoreTimeoutError, StoreError):
-            continue
-        if record is not None and (best is None or record.epoch > best.epoch):
-            best = record
-    return best
 
 
 @dataclass

@@ -7,8 +7,7 @@ round once with compare-and-set. A participant watches its successor's liveness 
 O(1) per node) and signals ``ctl/restart/R`` when it vanishes, so ``num_nodes_waiting()`` turns
 positive at once everywhere. Round R's rank 0 hosts a fresh worker store (a new native server,
 so no key of an earlier round is visible) and publishes it under ``ctl/boot/R``
-(``worker_store``). The parts an agent uses beyond torch's interface (``api.AgentRendezvous``)
-are in ``agent_side.py``.
+(``worker_store``). What an agent uses beyond torch's interface is in ``agent_side.py``.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
 from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
-from . import decisions
+from . import decisions, takeover
 from .agent_side import AgentSide
 from .backend import StoreBackend
 from .closing import RoundWatch, closed_error, closed_reason_of
 from .executor import Decider, DeciderCheck, Heartbeat, RingWatcher, await_round
 from .failover import HostRecord, endpoint_of
 from .native import create_native_backend
-from .takeover import take_over
 from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 from .worker_store import (RoundReplaced, await_boot, connect_worker_store, host_worker_store,
@@ -132,9 +130,12 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         for _ in range(64):  # a pass per switch of store host
             if (lost := self._lost) is not None:
                 self._lost = None
-                take_over(self, lost)
+                takeover.take_over(self, lost)
             try:
                 return self._join_next()
+            except RendezvousTimeoutError as exc:
+                self._close_without_quorum(exc)
+                raise
             except RendezvousConnectionError:
                 if self._lost is None:  # not a loss a survivor may take over
                     raise

@@ -23,7 +23,7 @@ from .executor import Heartbeat
 from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
                        find_host, read_host, seed)
 from .failover import Carried
-from .follower import Follower, find_copy
+from .follower import Follower
 from .hostprobe import HostProbe, NewerHostWatch
 from .native import NativeBackend, connect_native_backend
 from .settings import RendezvousSettings
@@ -125,15 +125,15 @@ def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
 
 def _follow(h: SwitchingNode, cause: BaseException) -> None:
     """A node that saw no round (it waited for its first, or its last one) has no candidates
-    of its own: it looks the store up among its ``--rdzv-endpoint`` entries for twice
-    ``FAILOVER_WAIT`` (the survivors' switch), longer while a follower says the run is alive
-    (up to ``join_timeout``), and joins the newest store served (a newer host, or the same one answering again after a silence). It
-    is in no round: joining any store of the run cannot make a second group."""
+    of its own: it looks the store up among its ``--rdzv-endpoint`` entries for as long as it
+    would wait to join (``join_timeout``, at least twice ``FAILOVER_WAIT``: the survivors'
+    switch, or the old host restarted and hosting again), and joins the newest store served (a
+    newer host, or the same one answering again after a silence). It is in no round: joining
+    any store of the run cannot make a second group."""
     settings = h._settings
     _detach(h)
     start = time.monotonic()
-    hard = start + max(2 * FAILOVER_WAIT, settings.join_timeout)
-    deadline = start + 2 * FAILOVER_WAIT  # pushed on while a follower says the run is alive
+    deadline = start + max(2 * FAILOVER_WAIT, settings.join_timeout)
     for _ in range(1 << 16):
         endpoints = settings.member_endpoints()
         found = find_host(endpoints, h._keys, settings.store_token)
@@ -145,8 +145,6 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
             log.warning("rendezvous %s: the store moved to %s (epoch %d)", settings.run_id,
                         found.endpoint, found.epoch)
             return
-        if find_copy(endpoints, h._keys, settings.store_token) is not None:
-            deadline = min(hard, time.monotonic() + 2 * FAILOVER_WAIT)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
