@@ -284,8 +284,9 @@ def test_disk_checkpoints_written_in_the_background_hold_their_own_step(
             snaps.snapshot({"w": torch.full((4 << 20,), float(step)), "step": step}, step)
             seen.append(len(list_snapshots(directory)))
     assert max(seen) <= KEEP_PER_RANK
-    # (".skipped.local-0", the agent's metric, is there when the writer lagged)
-    assert sorted(n for n in os.listdir(directory) if not n.startswith(".skipped.")) == [
+    # (dot files are the area's records, not snapshots: ".skipped.local-0", the agent's metric,
+    # when the writer lagged; ".checkpoint.local-0", where the agent writes at a signal)
+    assert sorted(n for n in os.listdir(directory) if not n.startswith(".")) == [
         "step-000000000005.local-0.snap", "step-000000000006.local-0.snap"]
     loaded = load_checkpoint(ckpt)
     assert loaded is not None and loaded.step == 6
