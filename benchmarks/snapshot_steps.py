@@ -1,0 +1,217 @@
+"""Steps with and without a snapshot, interleaved in one run (``benchmarks/snapshot.py`` prints
+the tables): on this shared machine the load changes between runs far more than between
+neighbouring steps, so every mode runs in short blocks, in turn, in the same processes.
+
+- ``example``: ``examples/train_ddp.py``'s step (its model, DDP with its per-parameter hook, gloo,
+  its DataLoader; 2 processes on loopback, one thread each), in blocks of ``BLOCK`` steps per
+  mode: ``off`` (no snapshot), ``snapshot`` (``Snapshots.snapshot`` of the example's state every
+  step) and ``example`` (what the example does: the epoch totals' ``all_reduce`` the snapshot holds,
+  started before the step, plus the snapshot).
+- ``big``: a 100 MB state (25 float32 tensors of 4 MB and plain objects) in one process, each step
+  an in-place update of every tensor and a sleep up to ``--big-step`` (the accelerator's time);
+  in turn per step: ``off``, ``snapshot``, and ``dcp.async_save`` (torch's defaults, no process
+  group, to a directory under the snapshot file system), whose call returns once the state is
+  staged (copied); its write is waited for after the step, outside the timed part.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
+BLOCK = 8
+EXAMPLE_MODES = ("off", "snapshot", "example")
+BIG_MODES = ("off", "snapshot", "dcp.async_save")
+
+
+def _example_module() -> Any:
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
+    """One rank of the example's loop; rank 0 writes its per-step times to ``out``."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from elasticstore.train import ElasticDistributedSampler, SnapshotSettings, Snapshots
+
+    ex = _example_module()
+    dist.init_process_group("gloo", init_method="env://")
+    dataset = ex.SyntheticRegression(4096, 16, 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = ElasticDistributedSampler(dataset, seed=0)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, ex.allreduce_per_parameter)
+    loss_fn = nn.MSELoss()
+    snaps = Snapshots(every=1, settings=SnapshotSettings(snapdir, rank))
+    pending = torch.zeros(3, dtype=torch.float64)
+    epoch_stats: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {m: [] for m in EXAMPLE_MODES}
+    copies: list[float] = []
+    step, epoch = 0, 0
+    prev = time.perf_counter()  # a step: from the previous one's end (its batch loaded in it)
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for index, x, y in DataLoader(dataset, batch_size=32, sampler=sampler):
+            mode = EXAMPLE_MODES[(step // BLOCK) % len(EXAMPLE_MODES)]
+            idx = index.to(torch.float64)
+            pending += torch.stack([torch.tensor(float(len(idx)), dtype=torch.float64),
+                                    idx.sum(), (idx * idx).sum()])
+            totals = dist.all_reduce(pending, async_op=True) if mode == "example" else None
+            optimizer.zero_grad()
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            sampler.advance(len(index))
+            step += 1
+            if totals is not None:
+                totals.wait()
+                row = epoch_stats.setdefault(str(epoch), [0.0, 0.0, 0.0])
+                for i in range(3):
+                    row[i] += float(pending[i])
+                pending.zero_()
+            if mode != "off":
+                last_loss = loss.detach().reshape(1)
+                snaps.snapshot(lambda: {  # built inside the call: its time counts
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
+                    "last_loss": last_loss}, step)
+                copies.append(snaps.last_copy_s)
+            now = time.perf_counter()
+            times[mode].append(now - prev)
+            prev = now
+            if step >= steps:
+                break
+        epoch += 1
+    snaps.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"times": times, "copies": copies, "bytes": snaps.last_bytes}, f)
+    del ddp
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_example(steps: int, shm: str) -> dict[str, Any]:
+    """The example's step in ``EXAMPLE_MODES``, 2 processes; medians in seconds."""
+    work = tempfile.mkdtemp(dir=shm, prefix="snapshot-steps-")
+    out = os.path.join(work, "result.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    procs = []
+    try:
+        for rank in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "example", str(rank), str(steps), work,
+                 out], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"an example worker exited {proc.returncode}")
+        with open(out) as f:
+            r: dict[str, Any] = json.load(f)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return summarize(r["times"], r["copies"], r["bytes"], warmup=2 * BLOCK * len(EXAMPLE_MODES))
+
+
+def summarize(times: dict[str, list[float]], copies: list[float], size: int,
+              warmup: int) -> dict[str, Any]:
+    """Per mode after the first ``warmup`` steps (the buffers are made then): the median step,
+    and the median over the cycles (one block of every mode) of the block's median over the
+    ``off`` block's of the same cycle (the load drifts less within a cycle than over the run)."""
+    skip = warmup // len(times)
+    per = {m: t[skip:] for m, t in times.items()}
+    med = {m: statistics.median(t) for m, t in per.items()}
+    cycles = min(len(t) for t in per.values()) // BLOCK
+
+    def block(m: str, c: int) -> float:
+        return statistics.median(per[m][c * BLOCK:(c + 1) * BLOCK])
+
+    ratio = {m: statistics.median(block(m, c) / block("off", c) for c in range(cycles))
+             for m in per}
+    copies = sorted(copies[skip * (len(times) - 1):])
+    return {"median_s": med, "paired_ratio": ratio, "steps": {m: len(t) for m, t in per.items()},
+            "cycles": cycles, "copy_median_s": statistics.median(copies),
+            "copy_p90_s": copies[int(0.9 * (len(copies) - 1))], "bytes": size}
+
+
+def run_big(steps: int, step_s: float, shm: str, mb: int = 100) -> dict[str, Any]:
+    """A ``mb`` MB state, steps of ``step_s``, in ``BIG_MODES`` per step in turn (one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from elasticstore.train import SnapshotSettings, Snapshots
+    from elasticstore.train.snapshots.copying import copy_threads
+
+    state: dict[str, Any] = {
+        "model": {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(mb // 4)},
+        "step": 0, "sampler": {"epoch": 0, "samples_consumed": 0}, "note": "x" * 100}
+    work = tempfile.mkdtemp(dir=shm, prefix="snapshot-big-")
+    snaps = Snapshots(every=1, settings=SnapshotSettings(work, 0))
+    times: dict[str, list[float]] = {m: [] for m in BIG_MODES}
+    blocked: dict[str, list[float]] = {m: [] for m in BIG_MODES}
+    try:
+        for step in range(1, steps + 1):
+            mode = BIG_MODES[step % len(BIG_MODES)]
+            started = time.perf_counter()
+            with torch.no_grad():
+                for t in state["model"].values():
+                    t.add_(1e-6)
+            state["step"] = step
+            t0 = time.perf_counter()
+            future: Any = None  # a Future, or an AsyncSaveResponse with asynchronous staging
+            if mode == "snapshot":
+                snaps.snapshot(state, step)
+            elif mode == "dcp.async_save":
+                future = dcp.async_save(state, checkpoint_id=os.path.join(work, f"dcp-{step}"),
+                                        no_dist=True)
+            blocked[mode].append(time.perf_counter() - t0)
+            time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
+            times[mode].append(time.perf_counter() - started)
+            if future is not None:  # its write, outside the step
+                getattr(future, "upload_completion", future).result()
+                shutil.rmtree(os.path.join(work, f"dcp-{step}"), ignore_errors=True)
+        size = snaps.last_bytes
+        snaps.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"step_s": step_s, "copy_threads": copy_threads(),
+            "median_s": {m: statistics.median(t[3:]) for m, t in times.items()},
+            "blocked_median_s": {m: statistics.median(t[3:]) for m, t in blocked.items()},
+            "blocked_range_s": {m: (min(t[3:]), max(t[3:])) for m, t in blocked.items()},
+            "steps": {m: len(t) - 3 for m, t in times.items()}, "bytes": size}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "example":
+        torch.set_num_threads(1)
+        example_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
