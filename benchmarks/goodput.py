@@ -12,6 +12,13 @@ Scenarios:
 - ``node-2x2``: every K s the second node's agent and workers are SIGKILLed (its process group)
   and a replacement node is started at once with the same command line; the world size goes from
   4 to 2 and back, so the weights are not comparable.
+- ``node-standby`` (``elasticstore-run`` only): three nodes (127.0.0.2-4) with ``--nnodes 2:2``,
+  so one waits as a standby; every K s a node training other than the first (whose exit ends
+  the job) is SIGKILLed and a replacement started at once with the same command line: the
+  standby takes the lost node's place, the replacement becomes the next standby. The world size
+  stays 4, so the weights are compared.
+- ``node-standby-elastic``: the same with ``--nnodes 1:2``: when the standby is not ready (still
+  starting), the survivor trains alone meanwhile instead of waiting.
 
 Launchers, each at its defaults except what it needs to survive the failures
 (``--max-restarts 1000``): ``elasticstore-run`` (snapshots every step, the example's default) and
@@ -52,7 +59,8 @@ if TYPE_CHECKING:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
 LAUNCHERS = ("elasticstore-run", "torchrun")
-SCENARIOS = ("worker", "worker-2x2", "node-2x2")
+SCENARIOS = ("worker", "worker-2x2", "node-2x2", "node-standby", "node-standby-elastic")
+STANDBY_ONLY = ("elasticstore-run",)  # launchers run in the node-standby scenarios
 LIMIT = float(os.environ.get("GOODPUT_LIMIT", "300"))  # seconds before a run counts as not done
 
 
@@ -76,7 +84,13 @@ class Run:
 
     @property
     def two_nodes(self) -> bool:
-        return self.scenario.endswith("2x2")
+        return self.scenario.endswith("2x2") or self.scenario.startswith("node-standby")
+
+    @property
+    def addrs(self) -> tuple[str, ...]:
+        if self.scenario.startswith("node-standby"):
+            return ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+        return ("127.0.0.2", "127.0.0.3") if self.two_nodes else ("127.0.0.1",)
 
     def example_args(self) -> list[str]:
         size = 8192 if self.two_nodes else 4096  # 64 steps per epoch at either world size
@@ -92,7 +106,9 @@ class Run:
                 return ["elasticstore-run", "--standalone", *common, *self.example_args()], env
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--monitor-interval", "0.1", *common, *self.example_args()], env
-        nodes = ["--nnodes", "1:2" if self.scenario.startswith("node") else "2",
+        nnodes = {"node-2x2": "1:2", "node-standby": "2:2",
+                  "node-standby-elastic": "1:2"}.get(self.scenario, "2")
+        nodes = ["--nnodes", nnodes,
                  "--rdzv-endpoint", f"127.0.0.2:{self.port}", "--rdzv-id", "goodput",
                  "--local-addr", addr]
         if self.launcher == "elasticstore-run":
@@ -110,11 +126,14 @@ class Run:
                                              cwd=self.workdir, start_new_session=True)
         log.close()
 
-    def workers(self) -> list[psutil.Process]:
+    def workers_of(self, addr: str) -> list[psutil.Process]:
+        return self.workers([self.agents[addr]])
+
+    def workers(self, agents: list[subprocess.Popen[bytes]] | None = None) -> list[psutil.Process]:
         import psutil  # the bench extra; --render-only needs none of it
 
         found = []
-        for agent in self.agents.values():
+        for agent in self.agents.values() if agents is None else agents:
             try:
                 for p in psutil.Process(agent.pid).children(recursive=True):
                     cmd = " ".join(p.cmdline())
@@ -151,7 +170,13 @@ def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str
     while not stop.wait(interval):
         t = time.time()
         if run.scenario.startswith("node"):
-            old = run.agents["127.0.0.3"]
+            addr = "127.0.0.3"
+            if run.scenario.startswith("node-standby"):  # a training node but the first
+                training = [a for a in run.addrs[1:] if run.workers_of(a)]
+                if not training:
+                    continue
+                addr = training[n % len(training)]
+            old = run.agents[addr]
             try:  # the node's whole tree, whatever groups its workers lead
                 tree = psutil.Process(old.pid).children(recursive=True)
             except psutil.Error:
@@ -163,8 +188,8 @@ def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str
                 except psutil.Error:
                     pass
             run.retired.append(old)
-            run.start("127.0.0.3")
-            log.append({"t": t, "what": "node 127.0.0.3 replaced"})
+            run.start(addr)
+            log.append({"t": t, "what": f"node {addr} replaced"})
         else:
             workers = sorted(run.workers(), key=lambda p: p.pid)
             if not workers:
@@ -187,7 +212,7 @@ def run_job(launcher: str, scenario: str, step_time: float,
     result: dict[str, Any] = {"launcher": launcher, "scenario": scenario, "interval": interval}
     try:
         t0 = time.monotonic()
-        for addr in (("127.0.0.2", "127.0.0.3") if run.two_nodes else ("127.0.0.1",)):
+        for addr in run.addrs:
             run.start(addr)
         injector = None
         if interval is not None:
@@ -242,13 +267,16 @@ def main() -> None:
     rows = []
     for scenario in args.scenarios.split(","):
         for launcher in args.launchers.split(","):
+            if scenario.startswith("node-standby") and launcher not in STANDBY_ONLY:
+                continue
             base = run_job(launcher, scenario, args.step_time, None)
             print(json.dumps(base), flush=True)
             for interval in intervals if scenario == "worker" else intervals[:1]:
                 row = run_job(launcher, scenario, args.step_time, interval)
                 if base.get("done") and row.get("done"):
                     row["goodput"] = base["seconds"] / row["seconds"]
-                comparable = not scenario.startswith("node") and row.get("world") == base.get("world")
+                comparable = (scenario not in ("node-2x2", "node-standby-elastic")
+                              and row.get("world") == base.get("world"))
                 row["same_weights"] = row.get("weights") == base.get("weights") if comparable else None
                 row["baseline_seconds"] = base["seconds"]
                 print(json.dumps(row), flush=True)
