@@ -21,6 +21,9 @@ agents are threads of one interpreter here, N processes in a real job, and at 10
 forced GIL hand-offs between a few thousand threads take most of the time (1024 agents: 9-14 s
 at 5 ms, 1.5 s at 50 ms on the 2-core VM).
 
+``rendezvous_spread.py`` runs ours with the agents spread over processes and loopback
+source addresses, on an external server, as real nodes are.
+
 A peer that does not finish within ``--limit`` is reported as such (its threads are left to the
 process exit; the rendezvous timeouts bound them). The pytest entry points are in
 ``rendezvous_bench.py``.

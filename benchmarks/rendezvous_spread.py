@@ -326,6 +326,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    # SIGTERM (a timeout's) ends the run through its clean-up: the server and agents stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for n in [int(x) for x in args.agents.split(",")]:
         for _ in range(args.runs):
             row = join_time(n, args.procs, args.one_address, args.limit, args.server_bin,
