@@ -2,15 +2,17 @@
 
 Small states (the usual per-step case: dozens to thousands of small tensors) are copied with one
 ``torch._foreach_copy_`` call: one dispatch for all of them instead of a Python call each. Large
-states of CPU tensors are split across a few threads (``copy_`` releases the GIL): a worker
-process usually runs with one intra-op thread (``OMP_NUM_THREADS=1`` under a launcher), so torch
-alone copies on one core while the node's other cores wait for the step. Contiguous tensors are
-split into ranges of elements so that one large tensor is shared out too. A state with tensors
-on an accelerator is copied one tensor at a time (one device-to-host copy each).
+states of CPU tensors are split across a few threads (``copy_`` releases the GIL), as many as the
+worker's share of the node's cores: a worker usually runs with one intra-op thread
+(``OMP_NUM_THREADS=1`` under a launcher), so torch alone copies on one core while the node's
+other cores may be idle. Contiguous tensors are split into ranges of elements so that one large
+tensor is shared out too. A state with tensors on an accelerator is copied one tensor at a time
+(one device-to-host copy each).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -27,13 +29,21 @@ _pool_pid = -1
 _pool_lock = threading.Lock()
 
 
+@functools.cache
 def copy_threads() -> int:
-    """Threads a large copy uses: the cores this process may run on, at most ``_MAX_THREADS``."""
+    """Threads a large copy uses: this process's share of the cores it may run on (the cores over
+    the launcher's ``LOCAL_WORLD_SIZE``: the node's workers take their snapshots at the same
+    step), at most ``_MAX_THREADS``. One where the workers have a core each or less: measured on
+    a loaded 2-core machine, a second thread there gained nothing."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cores))
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(_MAX_THREADS, cores // local))
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
