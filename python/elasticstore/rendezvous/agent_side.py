@@ -17,7 +17,7 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
-from .failover import Carried, HostRecord
+from .failover import Carried, HostRecord, find_host
 from .follower import Follower, own_follower
 from .hostprobe import HostProbe, NewerHostWatch, silent_after
 from .settings import RendezvousSettings, parse_endpoint
@@ -136,6 +136,46 @@ class AgentSide:
         if watch is not None:
             watch.end()
         serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
+
+    def _check_store(self) -> None:
+        """Before a join, on an agent-hosted store of several endpoints that this node does not
+        host: the store must hold the run's host record at the epoch this node last saw, or a
+        newer one. A server that does not is not the run's store (a follower that a lost host's
+        restarted node started at its address, reached by a new connection; a round formed
+        there would be a fresh run beside the job): it is taken for a lost host."""
+        seen, b = self._carried.host, self._backend
+        if not self._fails_over or b.server is not None or seen is None:
+            return
+        record = HostRecord.from_json(b.store.try_get(self._keys.host))
+        if record is not None and record.epoch >= seen.epoch:
+            return
+        cause = StoreNetworkError(f"{b.endpoint} holds no host record of the run at epoch "
+                                  f">= {seen.epoch}: not the run's store")
+        error = RendezvousConnectionError(f"rendezvous {self._settings.run_id!r}: {cause}")
+        error.__cause__ = cause
+        self._saw_loss(error)
+        raise error
+
+    def _fence(self) -> None:
+        """Called by a decider on this node right before it writes a round record: on a store
+        this node hosts, among several endpoints, no other endpoint may serve the run at a
+        newer epoch. One does when this node was stopped or cut off while the others moved on;
+        a round written here would repeat the number the newer store forms next (its seed is
+        this store's last round). Gives this store up for the newer one (``_yield_to``) and
+        raises ``RendezvousConnectionError`` then; costs one short probe per other endpoint."""
+        b, s = self._backend, self._settings
+        if not self._fails_over or b.server is None or len(s.endpoints) < 2:
+            return
+        mine = HostRecord.from_json(b.store.try_get(self._keys.host))
+        host, port = parse_endpoint(b.endpoint)
+        others = [e for e in s.member_endpoints() if e != (host.strip("[]"), port)]
+        found = find_host(others, self._keys, s.store_token)
+        if found is None or found.epoch <= (mine.epoch if mine is not None else 1):
+            return
+        self._yield_to(found)
+        raise RendezvousConnectionError(
+            f"rendezvous {s.run_id!r}: {found.endpoint} serves the run's store at epoch "
+            f"{found.epoch}, newer than this node's: no round is formed here")
 
     def _close_without_quorum(self, late: BaseException) -> None:
         """The first round on a store this node took over did not form within ``join_timeout``

@@ -51,9 +51,11 @@ class Decider:
         target: int,
         deadline: float,
         on_deadline: Callable[[], None],
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self._b, self._k, self._s = backend, keys, settings
         self._target, self._deadline, self._on_deadline = target, deadline, on_deadline
+        self._fence = fence  # raises when this store must not form a round (agent_side._fence)
         self._min_since: float | None = None  # kept across passes: the last call goes on
         self._passes = 0
         self._wrote = False
@@ -106,6 +108,8 @@ class Decider:
             )
             action = decisions.decide(view, s.min_nodes, s.max_nodes, s.last_call_timeout)
             if isinstance(action, decisions.Complete):
+                if self._fence is not None:
+                    self._fence()
                 if not b.cas(k.round, prev_bytes, action.state.to_json()):
                     return None  # re-read: the record changed under us
                 self._wrote = True

@@ -151,8 +151,8 @@ class Carried:
         """After entering round ``state``: the host, closed and failure records (one read).
         A newer round forgets the hosts lost before it: a participant of it is alive (a host
         that gave its store up and rejoined, or came back), a candidate like any other."""
-        if self.round is None or state.round > self.round.round:
-            self.lost.clear()
+        if self.round is None or state != self.round:  # a round formed since (by number or
+            self.lost.clear()  # by members: one formed on a store given up repeats a number)
         self.round = state
         host, closed, failure = (store.try_get(k) for k in (keys.host, keys.closed, keys.failure))
         record = HostRecord.from_json(host)

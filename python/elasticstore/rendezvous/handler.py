@@ -97,8 +97,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        """True: the workers' ``MASTER_ADDR:MASTER_PORT`` is the round's store (a native server
-        that speaks torch's TCPStore protocol), which the agents use too."""
+        """True: the workers' ``MASTER_ADDR:MASTER_PORT`` is the round's store, the agents' too."""
         return True
 
     def get_run_id(self) -> str:
@@ -146,6 +145,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         deadline = start + self._settings.join_timeout
         with self._guard():
             self._leave_round()
+            self._check_store()
             closed = self._backend.get(self._keys.closed)
             if closed is not None:
                 self._closed_error(closed)
@@ -303,7 +303,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
                     try:
                         return Decider(
                             backend=self._backend, keys=self._keys, settings=self._settings,
-                            target=target, deadline=deadline,
+                            target=target, deadline=deadline, fence=self._fence,
                             on_deadline=lambda: self._check_closed_or_late(deadline, target),
                         ).run()
                     except RendezvousClosedError:  # closed while deciding: say why
