@@ -47,10 +47,15 @@ def _uses_netfaults(path: object, cache: dict[str, bool]) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One xdist group per file (its tests on one worker), every netfaults user in one group;
+    a module that sets ``XDIST_PER_TEST = True`` (long tests that share nothing) gives each of
+    its tests a group of its own, so that they spread over the workers."""
     seen: dict[str, bool] = {}
     for item in items:
         isolated = "net" in getattr(item, "fixturenames", ()) or _uses_netfaults(item.path, seen)
-        item.add_marker(pytest.mark.xdist_group(NETNS_GROUP if isolated else str(item.path)))
+        alone = getattr(getattr(item, "module", None), "XDIST_PER_TEST", False)
+        group = NETNS_GROUP if isolated else item.nodeid if alone else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(params=KINDS, ids=[kind.name for kind in KINDS])

@@ -21,6 +21,7 @@ from agent_nodes import agents, assert_gone, events, free_port, tree, until
 from step_log import STEPS_TRAIN, formed_since, groups, overlaps, trained_since
 
 pytestmark = pytest.mark.slow
+XDIST_PER_TEST = True  # each test starts its own agents on its own ports: they run side by side
 
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 
