@@ -61,9 +61,8 @@ _SUCCEEDED, _FAILED, _ROUND, _SIGNAL = "succeeded", "failed", "round", "signal"
 
 
 class Agent:
-    # Failure restarts of the job so far (the last round's TORCHELASTIC_RESTART_COUNT), and
-    # whether this node spent one since (rounds.assign makes them one count on every node).
-    _restart_count = _spent = 0
+    # Failure restarts so far (the last round's TORCHELASTIC_RESTART_COUNT), and whether this
+    _restart_count = _spent = 0  # node spent one since (rounds.assign: one count on every node)
     def __init__(
         self,
         settings: AgentSettings,
@@ -84,17 +83,14 @@ class Agent:
         redirected = any(settings.redirects.values()) or any(settings.tee.values())
         self._log_root = settings.log_dir or (self._tmp if redirected else None)
         self._run_dir: str | None = None  # below the log root: <run_id> or <run_id>_<random>
-        self._failures_used = self._local_attempts = self._rounds = 0
-        self._moves_seen = 0  # the handler's store_moves said already
+        self._failures_used = self._local_attempts = self._rounds = self._moves_seen = 0
         self._failures: list[Failure] = []
         self._platform = PlatformHooks()  # the file timer, the launcher's error file
-        self._shut = self._operator_stopped = False
-        self._closing = False  # this node saw the run closed (stopped, or the restarts spent)
-        self._refused = False  # the run id had finished before this node's first round
+        # _moves_seen: store moves said; _closing: saw the run closed; _refused: finished before
+        self._shut = self._operator_stopped = self._closing = self._refused = False
         self._rdzv_thread: threading.Thread | None = None
-        self.events = EventLog(
-            settings.log_dir, settings.run_id, settings.host, self.handler, metrics, self.s.nproc, clock,
-            settings.role)
+        self.events = EventLog(settings.log_dir, settings.run_id, settings.host, self.handler, metrics,
+                               self.s.nproc, clock, settings.role)
 
     # -- the whole run ------------------------------------------------------------------------
 
@@ -125,12 +121,16 @@ class Agent:
                 if self._rounds == 0:  # closed before this node's first round: a reused run id?
                     say(f"[elasticstore-run] {exc}")
                 code = self._operator_stop()
-            else:
-                self._refused = self._rounds == 0 and self._run_finished()
-                say(f"[elasticstore-run] {exc}" if self._refused else
+            else:  # finished before this node's first round: it stood by, or it is refused
+                finished = self._rounds == 0 and self._run_finished()
+                spare = finished and drain.stood_by(self.handler)
+                self._refused = finished and not spare
+                say("[elasticstore-run] the job finished while this node stood by" if spare else
+                    f"[elasticstore-run] {exc}" if self._refused else
                     f"[elasticstore-run] {type(exc).__name__}: {exc}")
-                self._platform.launcher_failed(exc)
-                code = 1
+                if not spare:
+                    self._platform.launcher_failed(exc)
+                code = 0 if spare else 1
         finally:
             self._stop_group(signal.SIGKILL if self._group is None else signal.SIGTERM)
             self._server.close()

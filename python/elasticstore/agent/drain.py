@@ -36,6 +36,12 @@ def closed_reason(handler: AgentRendezvous) -> str | None:
         return None
 
 
+def stood_by(handler: AgentRendezvous) -> bool:
+    """Whether this node joined the rendezvous while the run was open and waited for a place
+    (``AgentSide.stood_by``; False for a handler that cannot say)."""
+    return bool(getattr(handler, "stood_by", False))
+
+
 def mark_finished(handler: AgentRendezvous) -> None:
     """Closes the run as finished (this node's workers succeeded): a peer whose round ends from
     now on reads that, and the run id is refused until ``elasticstore forget``."""

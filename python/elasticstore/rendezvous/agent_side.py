@@ -69,6 +69,7 @@ class AgentSide:
         self._newer: NewerHostWatch | None = None  # a host's look for a store outranking its own
         self._superseded = None
         self._seeded_round = None
+        self._joined_open = False  # this node joined while the run was open (``stood_by``)
         self._follower: Follower | None = own_follower(
             self._settings, self._addr, self._keys, self._node,
             backend.server is not None) if self._fails_over else None
@@ -254,6 +255,12 @@ class AgentSide:
     @property
     def round(self) -> RoundState | None:
         return self._round
+
+    @property
+    def stood_by(self) -> bool:
+        """This node joined the rendezvous while the run was open (it waited for a place: a
+        standby, or a node joining late), as opposed to one that found the run closed at once."""
+        return self._joined_open
 
     @property
     def store_moves(self) -> tuple[HostRecord, ...]:

@@ -149,6 +149,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             closed = self._backend.get(self._keys.closed)
             if closed is not None:
                 self._closed_error(closed)
+            self._joined_open = True  # ``stood_by``
             if self._heartbeat is not None:
                 self._heartbeat.beat()  # back at once after a silence that got it deleted
             else:
@@ -376,9 +377,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         )
 
     def _leave_round(self, withdraw: bool = True) -> None:
-        """Stops the ring watcher and closes the round's worker store; then (``withdraw``)
-        deletes the join key, which raises when the rendezvous store is gone (nothing else is
-        skipped then)."""
+        """Stops the ring watcher, closes the round's worker store; then (``withdraw``) deletes
+        the join key, which raises when the rendezvous store is gone (nothing else skipped)."""
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.stop()
