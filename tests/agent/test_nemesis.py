@@ -100,12 +100,12 @@ def test_nemesis_never_two_groups_and_recovers(tmp_path: object) -> None:
           f"{len(failures)} violation(s)")
     replay = f"nemesis seed {seed} (replay: ELASTICSTORE_NEMESIS_SEED={seed} " \
              f"ELASTICSTORE_NEMESIS_SCHEDULES={count})"
-    # Safety, (a) never two groups at once, and anything unclassified fail the test. The open
-    # liveness and monotonicity defects ((b) recovery and exit codes, (c) a fresh run or an
-    # older epoch after a later round: docs/rendezvous.md, "Open") are reported as an expected
-    # failure naming each violation and the seed, until they are fixed; a run without them passes.
-    known_open = [f for f in failures if f.startswith(("(b)", "(c)")) or ": (c) " in f]
-    assert failures == known_open, f"{replay}:\n" + "\n".join(failures)
-    if known_open:
-        pytest.xfail(f"known open failover liveness/monotonicity defects; {replay}:\n"
-                     + "\n".join(known_open))
+    # (a) never two groups at once, (c) nothing carried goes backwards, and anything
+    # unclassified fail the test. (b), the recovery within a wall-clock bound and the exit codes
+    # at the end, is reported as an expected failure naming each case and the seed: a machine
+    # loaded by other work (a CI run's parallel tests) can miss a wall-clock bound
+    # (docs/rendezvous.md, "The nemesis"); a run without any passes.
+    timing = [f for f in failures if f.startswith("(b)")]
+    assert failures == timing, f"{replay}:\n" + "\n".join(failures)
+    if timing:
+        pytest.xfail(f"recovery bound or exit codes missed; {replay}:\n" + "\n".join(timing))
