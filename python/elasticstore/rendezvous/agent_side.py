@@ -88,7 +88,7 @@ class AgentSide:
                                     silent_after(s.store_timeout), self._saw_loss)
         elif len(s.endpoints) > 1:  # hosting: give way to a newer store?
             host, port = parse_endpoint(backend.endpoint)
-            others = [e for e in s.member_endpoints() if e != (host.strip("[]"), port)]
+            others = s.endpoints_but(host, port)
             self._newer = NewerHostWatch(others, self._keys, s.store_token, self._outranked,
                                          self._yield_to)
 
@@ -169,7 +169,7 @@ class AgentSide:
             return
         mine = HostRecord.from_json(b.store.try_get(self._keys.host))
         host, port = parse_endpoint(b.endpoint)
-        others = [e for e in s.member_endpoints() if e != (host.strip("[]"), port)]
+        others = s.endpoints_but(host, port)
         found = find_host(others, self._keys, s.store_token)
         if found is None or found.epoch <= (mine.epoch if mine is not None else 1):
             return

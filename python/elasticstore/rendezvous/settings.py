@@ -231,6 +231,12 @@ class RendezvousSettings:
         found = [parse_endpoint(e, self.port) for e in self.endpoints] or [(self.host, self.port)]
         return [(h.strip("[]"), p) for h, p in found]
 
+    def endpoints_but(self, host: str, port: int) -> list[tuple[str, int]]:
+        """``member_endpoints`` less ``host:port`` (brackets of an IPv6 ``host`` ignored): the
+        other nodes' endpoints, where a node looks for a store newer than its own."""
+        own = (host.strip("[]"), port)
+        return [e for e in self.member_endpoints() if e != own]
+
     @classmethod
     def from_config(
         cls,

@@ -208,7 +208,7 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
     it cannot serve (the port is taken). Never a second host of one epoch: when another endpoint
     serves the run with this epoch or a newer one already, this node joins it instead."""
     s = h._settings
-    others = [e for e in s.member_endpoints() if e != (h._addr, port)]
+    others = s.endpoints_but(h._addr, port)
     found = find_host(others, h._keys, s.store_token)
     if found is not None and found.epoch >= epoch:
         log.warning("rendezvous %s: %s serves the store already (epoch %d): joining it",
