@@ -39,14 +39,14 @@ def check_complete(directory: str) -> int:
 @pytest.mark.slow  # 5-30 s: a torch process per kill, on a loaded 2-core machine
 def test_writer_killed_mid_copy_leaves_only_complete_snapshots(shm_root: str) -> None:
     """A 32 MB state, snapshots in a loop (the copy is nearly all of the writer's time): killed
-    at a random moment until one kill lands in a copy (its temporary file is left), at most 4
-    times; then a new ``Snapshots`` restores the newest complete step and removes the file."""
+    as soon as a snapshot's temporary file is seen (a copy in progress), until one kill lands in a
+    copy (the file is left), at most 4 writers; then a new ``Snapshots`` restores the newest
+    complete step and removes the file."""
     from elasticstore.train import SnapshotSettings, Snapshots
     from elasticstore.train.snapshots.fileformat import stale_tmp_files
 
     directory = os.path.join(shm_root, "node")
     os.mkdir(directory)
-    rng = random.Random(0)
     proc: subprocess.Popen[str] | None = None
     try:
         mid_copy = False
@@ -57,7 +57,9 @@ def test_writer_killed_mid_copy_leaves_only_complete_snapshots(shm_root: str) ->
             deadline = time.monotonic() + 60
             while int(proc.stdout.readline() or -1) < 4:  # past the first buffers' creation
                 assert proc.poll() is None and time.monotonic() < deadline, "no snapshots"
-            time.sleep(rng.uniform(0.0, 0.15))  # a step or two: fill, then copy
+            seen = time.monotonic() + 10  # a copy starts every step: tens of ms apart
+            while not stale_tmp_files(directory, 0) and time.monotonic() < seen:
+                pass
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             proc.stdout.close()
