@@ -6,11 +6,13 @@ call copies the tensors into memory that outlives the worker, a file in the dire
 agent (``elasticstore-run``) names in ``ELASTICSTORE_SNAPSHOT_DIR`` (under ``/dev/shm``: RAM, one
 per job and node, kept across worker restarts and rounds, removed when the agent ends). The step
 is blocked for that copy only. At most ``KEEP_PER_RANK`` complete snapshots exist per local rank:
-the older one's memory is reused for the next. With ``checkpoint_dir``, every
-``checkpoint_every``-th step's snapshot is also written to disk by a background thread
-(``disk.py``: at most one waits; a writer behind skips to the newest), by the ranks given
-``write_checkpoints``. The memory per local rank is bounded: ``KEEP_PER_RANK`` complete snapshots,
-plus the one being taken, plus (when the disk writer lags) the one waiting for it.
+the older one's memory is reused for the next, except the (at most 2) steps the agent holds for
+its replicas of sharded state (``hold.py``): new memory is taken instead, and a buffer no longer
+held is freed. With ``checkpoint_dir``, every ``checkpoint_every``-th step's snapshot is also
+written to disk by a background thread (``disk.py``: at most one waits; a writer behind skips to
+the newest), by the ranks given ``write_checkpoints``. The memory per local rank is bounded:
+``KEEP_PER_RANK`` complete snapshots, plus at most 2 held, plus the one being taken, plus (when
+the disk writer lags) the one waiting for it.
 
 The state is *replicated* (the same on every rank, e.g. DDP's; the default) or, with
 ``replicated=False``, *per-rank*: only the rank that took it gets it back (``identity.py``).
@@ -49,6 +51,7 @@ from .disk import DiskWriter
 from ..sharded import sharded_path
 from .errors import ShardedStateError, SnapshotSpaceError
 from .checkpoint_mark import mark
+from .hold import HoldReader
 from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
                          stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
@@ -130,6 +133,7 @@ class Snapshots:
         self._rank: tuple[int, int] | None = None  # (global rank, world size), at the first snapshot
         self._flushing_at_exit = False
         self._skipped_before: int | None = None
+        self._hold = HoldReader()  # the agent's replica hold in the area
         self._closed = False
 
     @property
@@ -243,7 +247,9 @@ class Snapshots:
 
     def _take_buffer(self, step: int) -> Buffer:
         """Memory for the next snapshot, taken out of view first (renamed to a temporary name):
-        the oldest complete one when ``KEEP_PER_RANK`` exist, else new memory."""
+        the oldest complete one when ``KEEP_PER_RANK`` exist, else new memory. Buffers the
+        agent's replica hold names (``hold.py``) are never taken; the older ones it no longer
+        holds are freed."""
         if self._published is None:
             self._published = self._adopt(step)
         while self._published and self._published[-1].step >= step:  # a step taken again
@@ -251,11 +257,18 @@ class Snapshots:
         if self._tmp[0] != self.settings.directory:  # one name for the snapshot being written
             self._tmp = (self.settings.directory, self._path(tmp_name(self.settings.local_rank)))
         tmp = self._tmp[1]
-        while len(self._published) > KEEP_PER_RANK - 1:
-            old = self._published[0]
-            if self._retire(old, reuse=True):
-                old.rename(tmp)
-                return old
+        hold = self._hold.read(self.settings.directory)
+        held = hold.held([b.step for b in self._published]) if hold is not None else set()
+        older = self._published[:max(0, len(self._published) - (KEEP_PER_RANK - 1))]
+        reused: Buffer | None = None
+        for old in [b for b in older if b.step not in held]:  # oldest first
+            if reused is None and self._retire(old, reuse=True):
+                reused = old
+            elif reused is not None:
+                self._retire(old)  # a buffer no longer held
+        if reused is not None:
+            reused.rename(tmp)
+            return reused
         return Buffer(tmp)
 
     def _retire(self, buf: Buffer, reuse: bool = False) -> bool:
