@@ -10,7 +10,8 @@ sockets on loopback, real snapshot files: what lands where, what is kept, who is
 - Replicated (DDP) state is not replicated.
 - Replicas from before a resume to an older step are dropped once this node took a step again.
 - Three services form their ring through a round's store.
-- A file its worker takes for a newer step while it is sent is withdrawn, never placed.
+- A file its worker takes for a newer step while it is sent is withdrawn, never placed, also when
+  it is rewritten after ``sendfile`` returned (the bytes leave when the receiver reads them).
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ def test_a_file_taken_for_a_newer_step_mid_copy_is_withdrawn(areas: tuple[str, s
             os.rename(path, os.path.join(a, fileformat.tmp_name(0)))  # the worker takes it
             send_frame(conn, {"ok": True}, deadline)
             recv_exact(conn, sum(head["sizes"]), deadline)
+            send_frame(conn, {"received": True}, deadline)
             seen["commit"] = recv_frame(conn, deadline).get("commit")
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -245,6 +247,53 @@ def test_a_file_taken_for_a_newer_step_mid_copy_is_withdrawn(areas: tuple[str, s
         sender.set_target((HOST, server.getsockname()[1]))
         thread.join(30)
         assert seen == {"commit": False} and sender.sent == 0
+    finally:
+        sender.close()
+        server.close()
+
+
+def test_a_file_rewritten_after_sendfile_returned_is_withdrawn(areas: tuple[str, str]) -> None:
+    """``sendfile`` hands the file's pages to the socket: the receiver reads what they hold when
+    it reads. The peer (a plain socket speaking the wire) reads nothing until the sender has long
+    returned from ``sendfile``, then plays the worker's reuse of the file (renamed away, rewritten
+    in place), then reads: the sender, told every byte was read only now, withdraws them."""
+    import socket
+    import threading
+
+    from elasticstore.replicas.wire import PREAMBLE, recv_exact, recv_frame, send_frame
+
+    a, _ = areas
+    path = write(a, 6, 0, 0, 2, 6.0)
+    with open(path, "rb") as f:
+        original = f.read()
+    server = socket.create_server((HOST, 0))
+    server.settimeout(20)
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        deadline = time.monotonic() + 20
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(PREAMBLE + os.urandom(32))
+            head = recv_frame(conn, deadline)
+            send_frame(conn, {"ok": True}, deadline)
+            time.sleep(0.5)  # the sender's sendfile returned: its bytes wait in the socket
+            tmp = os.path.join(a, fileformat.tmp_name(0))
+            os.rename(path, tmp)  # the worker takes the file, and writes into the same memory
+            with open(tmp, "r+b") as f:
+                f.write(b"\x55" * len(original))
+            got = recv_exact(conn, sum(head["sizes"]), deadline)
+            seen["rewritten"] = got != original[:len(got)]
+            send_frame(conn, {"received": True}, deadline)
+            seen["commit"] = recv_frame(conn, deadline).get("commit")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    sender = Sender(a, 1, "node-a", "", HOST)
+    try:
+        sender.set_target((HOST, server.getsockname()[1]))
+        thread.join(30)
+        assert seen["commit"] is False and sender.sent == 0, seen
     finally:
         sender.close()
         server.close()

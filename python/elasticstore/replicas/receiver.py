@@ -158,6 +158,7 @@ class Receiver:
             for size in sizes:
                 tmps.append(os.path.join(self.dir, f"{_TMP}{uuid.uuid4().hex}"))
                 _receive_file(conn, tmps[-1], size, deadline)
+            send_frame(conn, {"received": True}, deadline)  # the sender checks its files now
             if recv_frame(conn, deadline).get("commit") is not True:
                 return  # a file was taken for a newer step while sent: nothing to say
             try:

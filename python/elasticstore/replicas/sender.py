@@ -6,9 +6,10 @@ Every ``POLL_S`` it lists the area: the newest step for which every local rank h
 file, all of sharded state (``peek``; replicated and per-rank state is not replicated: any rank's
 copy serves, or only the same rank may have it back). A step is sent once per successor (again
 when its files were rewritten: their inodes). A worker reuses the memory of its snapshot two
-steps older: the files are read while they keep their names, and after the copy each is checked
-to still be the file that was read (same inode under the same name); else the transfer is
-withdrawn and the newer step sent on the next pass. Failures are said once per successor and
+steps older: the files are read while they keep their names, and once the receiver said it read
+every byte (``sendfile`` hands the file's pages to the socket: they are read when they are sent,
+not when it returns) each is checked to still be the file that was read (same inode under the
+same name); else the transfer is withdrawn and the newer step sent on the next pass. Failures are said once per successor and
 retried after ``RETRY_S``; so is a replica that lags two steps or more behind the workers (a
 node loss would then find no step whose every shard survived: the disk checkpoint is taken).
 
@@ -216,6 +217,8 @@ class Sender:
                         sock.settimeout(min(IDLE_S, max(0.1, deadline - time.monotonic())))
                         if sock.sendfile(f, 0, size) != size:
                             raise ReplicaError("a snapshot file shrank while it was sent")
+                if recv_frame(sock, deadline).get("received") is not True:  # every byte read
+                    raise ReplicaError("the receiver did not confirm the bytes")
                 same = all(_same(p, st) for p, st in zip(paths, stats))
                 send_frame(sock, {"commit": same}, deadline)
                 if not same:

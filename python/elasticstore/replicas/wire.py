@@ -7,8 +7,13 @@ receiving agent (``receiver.py``), every size and wait bounded.
     sender -> receiver   frame {"sender": id, "mac": hex, "step": S, "sizes": [bytes, ...]}
     receiver -> sender   frame {"ok": true} (or {"ok": false, "error": why}: nothing sent)
     sender -> receiver   the files' bytes, one after the other
+    receiver -> sender   frame {"received": true} once it has read every byte
     sender -> receiver   frame {"commit": bool} (false: a file changed while it was read)
     receiver -> sender   frame {"ok": true} once the files are in place (or an error)
+
+The sender checks its files only after ``received``: ``sendfile`` hands the file's pages to the
+socket, and the bytes the receiver reads are the pages' contents when it reads them, so a file
+rewritten after ``sendfile`` returned would otherwise arrive rewritten and be committed.
 
 A frame is a 4-byte little-endian length and that many bytes of a JSON object. With the run's
 token, ``mac`` is HMAC-SHA256(token, ``CONTEXT`` + nonce): the sender proves the token without
