@@ -218,14 +218,22 @@ def test_example_resumes_from_memory_then_a_new_job_from_disk(tmp_path: Path) ->
     ckpt = str(tmp_path / "ckpt")
     args = ["--epochs", "1", "--dataset-size", "1024", "--checkpoint-dir", ckpt,
             "--checkpoint-every", "5", "--log-every", "100"]
+    events, summary = str(tmp_path / "events.jsonl"), str(tmp_path / "summary.json")
     with agents(str(tmp_path)) as a:
         job = a.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"],
-                      [*args, "--fail-at-step", "10", "--fail-rank", "1"], env={ROOT_ENV: root},
-                      script=example)
+                      [*args, "--fail-at-step", "10", "--fail-rank", "1", "--events", events,
+                       "--summary", summary], env={ROOT_ENV: root}, script=example)
         code = a.wait(job, 200)
         out = a.output(job)
     assert code == 0, out[-4000:]
     assert "resumed from step 10 at world size 2, from memory" in out, out[-4000:]
+    with open(events) as f:  # rank 0's starts (with every rank's restore source) and steps
+        starts = [(e["step"], e["sources"]) for e in map(json.loads, f) if e["event"] == "start"]
+    assert starts == [(0, [None, None]), (10, ["memory", "memory"])], starts
+    with open(summary) as f:
+        s = json.load(f)
+    assert (s["steps"], s["world_size"], s["restart_count"]) == (16, 2, 1), s
+    assert len(s["weights_sha256"]) == 64, s
     # the newest 2 complete (step 10's may not be: the rank that failed may not have written it)
     done = sorted(os.listdir(ckpt))
     assert len(done) == 2 and done[-1] == "dcp-step-000000000015", done
