@@ -1,5 +1,6 @@
-"""Goodput under failures: ``examples/train_ddp.py`` run whole, then again with a failure injected
-from outside every K seconds, for ``elasticstore-run`` and torchrun in the same run.
+"""Goodput under failures: an example (``--examples ddp``: ``examples/train_ddp.py``; ``fsdp``:
+``examples/train_fsdp.py``, FSDP2) run whole, then again with a failure injected from outside
+every K seconds, for ``elasticstore-run`` and torchrun in the same run.
 
 goodput = (time of the uninterrupted run) / (time of the interrupted run), each from the launch to
 the exit of every agent; the interrupted run's final weights (the example's ``--summary``: a
@@ -24,13 +25,21 @@ Launchers, each at its defaults except what it needs to survive the failures
 (``--max-restarts 1000``): ``elasticstore-run`` (snapshots every step, the example's default) and
 ``torchrun`` (``--standalone`` on one node; on two, c10d with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the only variant whose new round survives a worker
-kill, and ``--monitor-interval 0.1``). Both resume from the example's disk checkpoints (every 20
-steps) where they have nothing newer: under torchrun a snapshot lives only as long as its worker.
+kill, and ``--monitor-interval 0.1``). Both resume from the example's disk checkpoints (every
+``--checkpoint-every`` steps, 20; for FSDP2 DCP checkpoints, each rank its shard) where they have
+nothing newer: under torchrun a snapshot lives only as long as its worker. The FSDP2 example also
+records every start (``--events``: the step and every rank's restore source: memory, peer or
+disk) and every step; each row keeps its restarts (``goodput_report.restarts``), the table says
+where they resumed from and how many steps each trained again.
 
     python benchmarks/goodput.py [--intervals 8,16] [--scenarios worker,worker-2x2,node-2x2]
-        [--step-time 0.1] [--out benchmarks/results/goodput]
+        [--examples ddp,fsdp] [--step-time 0.1] [--checkpoint-every 20]
+        [--out benchmarks/results/goodput] [--merge] [--logs DIR]
     python benchmarks/goodput.py --render-only [--out benchmarks/results/goodput]
 
+``--merge`` keeps the rows of ``<out>.json`` that this run did not measure again (same example,
+scenario, launcher, interval): one configuration can be measured at a time; every row records
+its own ``when``. ``--logs DIR`` keeps every job's agent logs and events there.
 ``--render-only`` runs nothing: it writes ``<out>.md`` again from ``<out>.json``. A run that did not
 finish says what happened: its first node's agent still running at the limit ("not done in
 300 s"), or exited non-zero, with every agent's exit ("failed (exit 1 from both agents) at
@@ -53,14 +62,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from goodput_report import LAUNCHERS, plot, render, restarts
+
 if TYPE_CHECKING:
     import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
-LAUNCHERS = ("elasticstore-run", "torchrun")
+EXAMPLES = {"ddp": os.path.join(ROOT, "examples", "train_ddp.py"),
+            "fsdp": os.path.join(ROOT, "examples", "train_fsdp.py")}
 SCENARIOS = ("worker", "worker-2x2", "node-2x2", "node-standby", "node-standby-elastic")
 STANDBY_ONLY = ("elasticstore-run",)  # launchers run in the node-standby scenarios
+CHECKPOINT_ERROR = "RuntimeError: the background disk checkpoint failed"
 LIMIT = float(os.environ.get("GOODPUT_LIMIT", "300"))  # seconds before a run counts as not done
 
 
@@ -77,6 +91,8 @@ class Run:
     launcher: str
     scenario: str
     step_time: float
+    example: str = "ddp"
+    checkpoint_every: int = 20
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="goodput-"))
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     retired: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -94,9 +110,18 @@ class Run:
 
     def example_args(self) -> list[str]:
         size = 8192 if self.two_nodes else 4096  # 64 steps per epoch at either world size
-        return [EXAMPLE, "--epochs", "3", "--dataset-size", str(size), "--step-time",
-                f"{self.step_time:g}", "--checkpoint-dir", os.path.join(self.workdir, "ckpt"),
-                "--summary", os.path.join(self.workdir, "summary.json"), "--log-every", "1000"]
+        args = [EXAMPLES[self.example], "--epochs", "3", "--dataset-size", str(size),
+                "--step-time", f"{self.step_time:g}",
+                "--checkpoint-dir", os.path.join(self.workdir, "ckpt"),
+                "--checkpoint-every", str(self.checkpoint_every),
+                "--summary", os.path.join(self.workdir, "summary.json")]
+        if self.example == "fsdp":  # rank 0 records every start and step (restarts' cost)
+            return [*args, "--log-every", "1", "--events", self.events]
+        return [*args, "--log-every", "1000"]
+
+    @property
+    def events(self) -> str:
+        return os.path.join(self.workdir, "events.jsonl")
 
     def command(self, addr: str) -> tuple[list[str], dict[str, str]]:
         env = dict(os.environ)
@@ -133,11 +158,12 @@ class Run:
         import psutil  # the bench extra; --render-only needs none of it
 
         found = []
+        script = os.path.basename(EXAMPLES[self.example])
         for agent in self.agents.values() if agents is None else agents:
             try:
                 for p in psutil.Process(agent.pid).children(recursive=True):
                     cmd = " ".join(p.cmdline())
-                    if "train_ddp.py" in cmd and "forkserver" not in cmd:
+                    if script in cmd and "forkserver" not in cmd:
                         found.append(p)
             except psutil.Error:
                 continue
@@ -149,6 +175,21 @@ class Run:
         except ProcessLookupError:
             pass
         proc.wait(10)
+
+    def count_in_logs(self, text: str) -> int:
+        """Lines of the agents' logs (every agent this job started) that contain ``text``."""
+        n = 0
+        for name in os.listdir(self.workdir):
+            if name.endswith(".log"):
+                with open(os.path.join(self.workdir, name), errors="replace") as f:
+                    n += sum(text in line for line in f)
+        return n
+
+    def keep_logs(self, where: str) -> None:
+        os.makedirs(where, exist_ok=True)
+        for name in os.listdir(self.workdir):
+            if name.endswith((".log", ".jsonl")):
+                shutil.copy(os.path.join(self.workdir, name), where)
 
     def cleanup(self) -> None:
         for proc in [*self.agents.values(), *self.retired]:
@@ -203,13 +244,16 @@ def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str
         n += 1
 
 
-def run_job(launcher: str, scenario: str, step_time: float,
-            interval: float | None) -> dict[str, Any]:
-    run = Run(launcher, scenario, step_time)
+def run_job(launcher: str, scenario: str, step_time: float, interval: float | None,
+            example: str = "ddp", checkpoint_every: int = 20,
+            logs: str | None = None) -> dict[str, Any]:
+    run = Run(launcher, scenario, step_time, example=example, checkpoint_every=checkpoint_every)
     run.port = _free_port("127.0.0.2")
     failures: list[dict[str, Any]] = []
     stop = threading.Event()
-    result: dict[str, Any] = {"launcher": launcher, "scenario": scenario, "interval": interval}
+    result: dict[str, Any] = {"launcher": launcher, "scenario": scenario, "interval": interval,
+                              "example": example, "checkpoint_every": checkpoint_every,
+                              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
         t0 = time.monotonic()
         for addr in run.addrs:
@@ -240,6 +284,13 @@ def run_job(launcher: str, scenario: str, step_time: float,
             with open(summary) as f:
                 s = json.load(f)
             result.update(weights=s.get("weights_sha256"), world=s.get("world_size"))
+        if example == "fsdp":
+            result["restarts"] = restarts(run.events)
+            # ranks that stopped on an error of their background DCP checkpoint (not injected)
+            result["checkpoint_errors"] = run.count_in_logs(CHECKPOINT_ERROR)
+        if logs is not None:
+            run.keep_logs(os.path.join(logs, f"{example}-{scenario}-{launcher}-"
+                                             f"{'base' if interval is None else f'{interval:g}'}"))
         return result
     finally:
         stop.set()
@@ -251,6 +302,12 @@ def main() -> None:
     p.add_argument("--intervals", default="8,16", help="seconds between failures (comma list)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument("--examples", default="ddp", help="ddp, fsdp or both (comma list)")
+    p.add_argument("--checkpoint-every", type=int, default=20,
+                   help="the example's --checkpoint-every: steps between disk checkpoints")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of <out>.json this run does not measure again")
+    p.add_argument("--logs", default=None, help="keep every job's agent logs and events here")
     p.add_argument("--step-time", type=float, default=0.1, help="the example's --step-time")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "goodput"))
     p.add_argument("--render-only", action="store_true",
@@ -264,100 +321,51 @@ def main() -> None:
         print(table, end="")
         return
     intervals = [float(x) for x in args.intervals.split(",")]
+    examples = args.examples.split(",")
+    for name, values, known in (("--examples", examples, EXAMPLES),
+                                ("--scenarios", args.scenarios.split(","), SCENARIOS),
+                                ("--launchers", args.launchers.split(","), LAUNCHERS)):
+        if any(v not in known for v in values):
+            p.error(f"argument {name}: {','.join(values)}: each must be one of {', '.join(known)}")
     rows = []
-    for scenario in args.scenarios.split(","):
-        for launcher in args.launchers.split(","):
-            if scenario.startswith("node-standby") and launcher not in STANDBY_ONLY:
-                continue
-            base = run_job(launcher, scenario, args.step_time, None)
-            print(json.dumps(base), flush=True)
-            for interval in intervals if scenario == "worker" else intervals[:1]:
-                row = run_job(launcher, scenario, args.step_time, interval)
-                if base.get("done") and row.get("done"):
-                    row["goodput"] = base["seconds"] / row["seconds"]
-                comparable = (scenario not in ("node-2x2", "node-standby-elastic")
-                              and row.get("world") == base.get("world"))
-                row["same_weights"] = row.get("weights") == base.get("weights") if comparable else None
-                row["baseline_seconds"] = base["seconds"]
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    for example, scenario, launcher in [(e, s, la) for e in examples
+                                        for s in args.scenarios.split(",")
+                                        for la in args.launchers.split(",")]:
+        if scenario.startswith("node-standby") and launcher not in STANDBY_ONLY:
+            continue
+        job = {"example": example, "checkpoint_every": args.checkpoint_every, "logs": args.logs}
+        base = run_job(launcher, scenario, args.step_time, None, **job)
+        print(json.dumps(base), flush=True)
+        for interval in intervals if scenario == "worker" else intervals[:1]:
+            row = run_job(launcher, scenario, args.step_time, interval, **job)
+            if base.get("done") and row.get("done"):
+                row["goodput"] = base["seconds"] / row["seconds"]
+            comparable = (scenario not in ("node-2x2", "node-standby-elastic")
+                          and row.get("world") == base.get("world"))
+            row["same_weights"] = row.get("weights") == base.get("weights") if comparable else None
+            row["baseline_seconds"] = base["seconds"]
+            if "checkpoint_errors" in base:
+                row["baseline_checkpoint_errors"] = base["checkpoint_errors"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "step_time": args.step_time, "rows": rows}
+    if args.merge and os.path.exists(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            doc = json.load(f)
+        def key(r: dict[str, Any]) -> tuple[Any, ...]:
+            return r.get("example", "ddp"), r["scenario"], r["launcher"], r["interval"]
+        again = {key(r) for r in rows}
+        doc["rows"] = [r for r in doc["rows"] if key(r) not in again] + rows
+        rows = doc["rows"]
     with open(args.out + ".json", "w") as f:
-        json.dump({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "step_time": args.step_time, "rows": rows}, f, indent=1)
+        json.dump(doc, f, indent=1)
     table = render(rows)
     with open(args.out + ".md", "w") as f:
         f.write(table)
     print(table)
     plot(rows, args.out + ".png")
-
-
-def _exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}"
-
-
-def outcome(r: dict[str, Any]) -> tuple[str, str]:
-    """The interrupted run's time, or what became of it, and the goodput cell when there is
-    none: from what ``run_job`` recorded (``done``, ``seconds``, ``codes``: the first node's
-    agent first, None for one still running when the job was given up)."""
-    if r.get("done"):  # no goodput: the uninterrupted run did not finish
-        return f"{r['seconds']:.1f} s", "— (uninterrupted run not done)"
-    codes = r.get("codes") or [None]
-    if codes[0] is None:  # the first node's agent was still running at the limit
-        return f"not done in {r.get('limit', LIMIT):g} s", "— (not done)"
-    exits = [_exit(c) for c in codes]
-    if len(exits) == 1:
-        what = exits[0]
-    elif len(set(exits)) == 1:
-        what = f"{exits[0]} from {'both agents' if len(exits) == 2 else 'every agent'}"
-    else:
-        what = ", ".join(exits)
-    return f"failed ({what}) at {r['seconds']:.1f} s", "— (failed)"
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| scenario | failure every | launcher | failures | uninterrupted | interrupted "
-             "| goodput | final weights |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        took, none = outcome(r)
-        gp = f"**{r['goodput']:.2f}**" if r.get("goodput") is not None else none
-        same = {True: "identical", False: "differ", None: "n/a (world size changed)"}[
-            r.get("same_weights")] if r.get("done") else "—"
-        lines.append(f"| {r['scenario']} | {r['interval']:g} s | {r['launcher']} | "
-                     f"{r.get('failures', 0)} | {r['baseline_seconds']:.1f} s | {took} | {gp} | "
-                     f"{same} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for launcher in LAUNCHERS:
-        pts = sorted((r["interval"], r.get("goodput") or 0.0) for r in rows
-                     if r["launcher"] == launcher and r["scenario"] == "worker")
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=launcher)
-    ax.set_xlabel("seconds between worker failures (one node, 2 workers)")
-    ax.set_ylabel("goodput")
-    ax.set_ylim(0, 1.05)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
