@@ -9,13 +9,18 @@ sockets on loopback, real snapshot files: what lands where, what is kept, who is
 - A wrong token, or (without a token) an address that is not the predecessor's: nothing lands.
 - Replicated (DDP) state is not replicated.
 - Replicas from before a resume to an older step are dropped once this node took a step again.
-- Three services form their ring through a round's store.
+- Three services form their ring through a round's store, and send the step their schedule
+  names (``schedule.py``): none before the leader's floor, then that one, committed once placed
+  everywhere (the hold files say so); a round of one node removes its hold.
+- Two nodes that place different steps for one floor: a new floor further ahead, said once; the
+  receivers keep the committed step besides their two newest.
 - A file its worker takes for a newer step while it is sent is withdrawn, never placed, also when
   it is rewritten after ``sendfile`` returned (the bytes leave when the receiver reads them).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +32,7 @@ import torch
 
 from elasticstore.replicas import Receiver, Sender
 from elasticstore.train.snapshots import fileformat
+from elasticstore.train.snapshots.hold import HOLD_NAME
 from elasticstore.train.snapshots.identity import Identity
 from elasticstore.train.snapshots.peek import HEADER, MAGIC, NAME, peek
 
@@ -57,6 +63,15 @@ def until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
 
 def held(receiver: Receiver) -> list[str]:
     return sorted(os.listdir(receiver.dir))
+
+
+def hold(area: str) -> Any:
+    """The area's hold file (None: none)."""
+    try:
+        with open(os.path.join(area, HOLD_NAME)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
 @pytest.fixture
@@ -197,12 +212,19 @@ def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None
             t.join(30)
         for i, area in enumerate(areas):
             write(area, 1, 0, i, 3, float(i))
+        # the leader's newest is step 1: the floor is 2, and step 1 is sent by nobody
+        until(lambda: all(hold(a) == {"committed": None, "floor": 2} for a in areas), "floor 2")
+        time.sleep(0.5)
+        assert all(held(s.receiver) == [] for s in services)
+        for i, area in enumerate(areas):
+            write(area, 2, 0, i, 3, float(i))
         for i in range(3):
             until(lambda i=i: held(services[(i + 1) % 3].receiver) ==
-                  [f"step-000000000001.local-{i}.snap"], f"node {i}'s file on node {(i + 1) % 3}")
+                  [f"step-000000000002.local-{i}.snap"], f"node {i}'s file on node {(i + 1) % 3}")
+        until(lambda: all(hold(a) == {"committed": 2, "floor": 3} for a in areas), "2 committed")
         services[0].new_round(store, 1, 0, 1)
-        assert services[0].sender._target is None
-        assert held(services[0].receiver) == ["step-000000000001.local-2.snap"]
+        assert services[0].sender._target is None and hold(areas[0]) is None
+        assert held(services[0].receiver) == ["step-000000000002.local-2.snap"]
         # a round whose other node never publishes: the agent is not held up (a thread looks)
         started = time.monotonic()
         services[1].new_round(store, 2, 1, 2)

@@ -7,7 +7,9 @@ checked once complete (a snapshot, sharded, of the announced step: ``peek``), an
 place only when the sender commits them. They are named by their writer's global rank
 (``replica_name``), so replicas of two senders never collide at one step of one world.
 
-What is kept, per sender (an agent's random id): the files of its two newest steps. A step that
+What is kept, per sender (an agent's random id): the files of its two newest steps, and those of
+the step the latest transfer says to keep (``keep``: the schedule's committed step, which every
+survivor of a node loss restores from; ``schedule.py``). A step that
 arrives replaces that sender's files of the same or newer steps (its workers went back to an
 older step: what it had sent past it is of another history). Other senders' files older than
 the step that arrived are removed: a node that left the ring (lost, or the ring changed) keeps
@@ -137,12 +139,12 @@ class Receiver:
         conn.sendall(PREAMBLE + nonce)
         head = recv_frame(conn, deadline)
         sender, step, sizes = head.get("sender"), head.get("step"), head.get("sizes")
-        written = head.get("attempt")
+        written, keep = head.get("attempt"), head.get("keep", -1)
         if self._token and not (isinstance(head.get("mac"), str) and
                                 _equal(head["mac"], mac(self._token, nonce))):
             send_frame(conn, {"ok": False, "error": "authentication failed"}, deadline)
             raise ReplicaError("the sender did not prove the run's token")
-        why = _bad_header(sender, step, sizes, written)
+        why = _bad_header(sender, step, sizes, written, keep)
         if why is None:
             assert isinstance(sizes, list)
             why = self._no_room(sum(sizes))
@@ -150,7 +152,7 @@ class Receiver:
             send_frame(conn, {"ok": False, "error": why}, deadline)
             raise ReplicaError(why)
         assert isinstance(sender, str) and isinstance(step, int) and isinstance(sizes, list)
-        assert isinstance(written, int)
+        assert isinstance(written, int) and isinstance(keep, int)
         send_frame(conn, {"ok": True}, deadline)
         tmps: list[str] = []
         try:
@@ -163,7 +165,7 @@ class Receiver:
                 return  # a file was taken for a newer step while sent: nothing to say
             try:
                 with self._lock:
-                    self._place(sender, step, written, tmps)
+                    self._place(sender, step, written, tmps, keep)
             except ValueError as err:
                 send_frame(conn, {"ok": False, "error": str(err)}, deadline)
                 raise
@@ -180,7 +182,7 @@ class Receiver:
         free = st.f_bavail * st.f_frsize
         return None if total <= free else f"no room: {total} bytes, {free} free in {self.dir}"
 
-    def _place(self, sender: str, step: int, written: int, tmps: list[str]) -> None:
+    def _place(self, sender: str, step: int, written: int, tmps: list[str], keep: int) -> None:
         """Checks the files, renames them into place, applies what is kept (module doc)."""
         if written != self._attempt or written < 0:
             written = -1  # before this node's round
@@ -203,7 +205,8 @@ class Receiver:
             self._owner[name] = (sender, step, written)
         steps = sorted({st for who, st, _ in self._owner.values() if who == sender}, reverse=True)
         for name, (who, st, _) in list(self._owner.items()):
-            if (who == sender and st not in steps[:KEEP_STEPS]) or (who != sender and st < step):
+            if (who == sender and st not in steps[:KEEP_STEPS] and st != keep) or \
+                    (who != sender and st < step):
                 self._remove(name)
         self.received += 1
 
@@ -228,13 +231,16 @@ def _equal(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def _bad_header(sender: object, step: object, sizes: object, written: object) -> str | None:
+def _bad_header(sender: object, step: object, sizes: object, written: object,
+                keep: object) -> str | None:
     if not (isinstance(sender, str) and 0 < len(sender) <= 64):
         return f"a sender id that is not a short string: {sender!r:.80}"
     if type(step) is not int or step < 0:
         return f"a step that is not an integer >= 0: {step!r:.80}"
     if type(written) is not int or written < -1:
         return f"a round that is not an integer >= -1: {written!r:.80}"
+    if type(keep) is not int or keep < -1:
+        return f"a step to keep that is not an integer >= -1: {keep!r:.80}"
     if not (isinstance(sizes, list) and 0 < len(sizes) <= MAX_FILES and
             all(type(s) is int and 64 <= s <= MAX_FILE_BYTES for s in sizes)):
         return f"file sizes that are not 1 to {MAX_FILES} integers in [64, {MAX_FILE_BYTES}]"

@@ -1,23 +1,31 @@
-"""The sending side of replicas: a thread of the agent that copies its node's newest complete
-step of sharded snapshots to the ring successor's agent (``receiver.py``), off the workers'
-critical path (a worker that dies mid-transfer loses nothing: the agent carries on).
+"""The sending side of replicas: a thread of the agent that copies a complete step of its node's
+sharded snapshots to the ring successor's agent (``receiver.py``), off the workers' critical path
+(a worker that dies mid-transfer loses nothing: the agent carries on).
 
-Every ``POLL_S`` it lists the area: the newest step for which every local rank has a complete
-file, all of sharded state (``peek``; replicated and per-rank state is not replicated: any rank's
-copy serves, or only the same rank may have it back). A step is sent once per successor (again
-when its files were rewritten: their inodes). A worker reuses the memory of its snapshot two
-steps older: the files are read while they keep their names, and once the receiver said it read
-every byte (``sendfile`` hands the file's pages to the socket: they are read when they are sent,
-not when it returns) each is checked to still be the file that was read (same inode under the
-same name); else the transfer is withdrawn and the newer step sent on the next pass. Failures are said once per successor and
-retried after ``RETRY_S``; so is a replica that lags two steps or more behind the workers (a
-node loss would then find no step whose every shard survived: the disk checkpoint is taken).
+Every ``POLL_S`` it lists the area: the steps for which every local rank has a complete file, all
+of sharded state (``peek``; replicated and per-rank state is not replicated: any rank's copy
+serves, or only the same rank may have it back). Which step it sends: under the round's schedule
+(``planned``, ``schedule.py``), the step the agents agreed on: per local rank the oldest step
+``>= floor`` written in this round, the same on every rank, once per plan; its outcome is
+``result`` (the plan's number and the step placed, or -1: missed, the ranks' oldest steps differ
+or a file was taken for a newer step while sent: the workers saw the hold too late). Without a
+plan (``planned=False``): the newest step, once per successor (again when its files were
+rewritten: their inodes). ``newest``: the newest complete step written in this round (the leader's
+floor is read from it).
+
+A worker reuses the memory of a snapshot it no longer keeps (``writer.py``; under a plan it keeps
+the held steps, ``hold.py``): the files are read while they keep their names, and after the
+receiver said it has every byte (``sendfile`` reads the pages when they are sent, not when it
+returns) each is checked to still be the file that was read (same inode under the same name);
+else the transfer is withdrawn. Failures are said once per successor and retried after
+``RETRY_S``.
 
 Each transfer says the round (``attempt``) its files were written in: this round's when every
-file was renamed into place (its ctime) after the round began, else -1. And each pass reports the
-oldest step this node's workers wrote in this round (``on_own``): the receiver drops the replicas
-from before this round from that step on (``receiver.py``: a job that resumed from an older step
-takes the later steps again; their earlier copies are of another history).
+file was renamed into place (its ctime) after the round began, else -1; and the step the receiver
+keeps besides its two newest (``keep``: the committed one). And each pass reports the oldest step
+this node's workers wrote in this round (``on_own``): the receiver drops the replicas from before
+this round from that step on (``receiver.py``: a job that resumed from an older step takes the
+later steps again; their earlier copies are of another history).
 """
 
 from __future__ import annotations
@@ -39,21 +47,26 @@ RETRY_S = 1.0
 CONNECT_S = 5.0
 
 Target = tuple[str, int]
+Plan = tuple[int, int]  # a plan's id: (round, its number in the round)
 
 
 class Sender:
     """``area``: this node's snapshot area; ``nproc``: its local ranks; ``sender_id``: this
     agent's (the receiver keeps files per sender); ``token``: the run's ("" none); ``host``: the
-    address connections leave from (the one the receiver knows this node by; "": any)."""
+    address connections leave from (the one the receiver knows this node by; "": any);
+    ``planned``: send only the steps of ``set_plan`` (module doc)."""
 
     def __init__(self, area: str, nproc: int, sender_id: str, token: str, host: str = "",
                  log: Callable[[str], None] = lambda _: None,
-                 on_own: Callable[[int, int], None] = lambda _a, _s: None) -> None:
+                 on_own: Callable[[int, int], None] = lambda _a, _s: None,
+                 planned: bool = False) -> None:
         self.area, self.nproc, self.id, self._token, self._log = area, nproc, sender_id, token, log
-        self.host, self._on_own = host, on_own
+        self.host, self._on_own, self._planned = host, on_own, planned
         self._round: tuple[int, int] | None = None  # (attempt, its start in time.time_ns())
-        self._lag_said = False
         self._target: Target | None = None
+        self._plan: tuple[Plan, int, int] | None = None  # (its id, floor, keep)
+        self.result: tuple[Plan, int] | None = None  # (plan id, step placed; -1: missed)
+        self.newest: int | None = None  # the newest complete step written in this round
         self._sent: tuple[Target, int, tuple[int, ...]] | None = None
         self._said: Target | None = None  # a failure was said for this successor
         self._retry_at = 0.0
@@ -71,11 +84,17 @@ class Sender:
         self._target = target
         self._retry_at = 0.0
 
+    def set_plan(self, plan: Plan, floor: int, keep: int | None) -> None:
+        """The plan ``plan`` (round, number): send the step held from ``floor`` on, once; the
+        receiver is to keep ``keep`` (the committed step) besides its two newest."""
+        self._plan = (plan, floor, -1 if keep is None else keep)
+        self._retry_at = 0.0
+
     def new_round(self, attempt: int, started_ns: int) -> None:
         """The round this node's workers now run in, begun at ``started_ns`` (``time.time_ns``:
-        the clock of the files' ctime)."""
+        the clock of the files' ctime); no plan until the round's schedule sets one."""
+        self._plan = self.result = self.newest = None
         self._round = (attempt, started_ns)
-        self._lag_said = False
 
     def close(self) -> None:
         """Stops at once, a transfer in progress too (the receiver drops it)."""
@@ -99,28 +118,41 @@ class Sender:
                 broken = True
 
     def _pass(self) -> None:
-        """One look at the area: the newest step sent when it was not yet."""
-        target, files = self._target, list_complete(self.area)
-        self._report_own(files)
+        """One look at the area: the step to send sent when it was not yet (module doc)."""
+        target, plan, rnd, files = self._target, self._plan, self._round, list_complete(self.area)
+        fresh = self._fresh(files, rnd)
+        if fresh and rnd is not None:
+            self._on_own(rnd[0], fresh[0][0])
+        newest = self._newest(fresh)
+        self.newest = None if newest is None else newest[0]
         if target is None or time.monotonic() < self._retry_at:
             return
-        newest = self._newest(files)
-        if newest is None:
+        if self._planned:
+            if plan is None or (self.result is not None and self.result[0] == plan[0]):
+                return  # no plan yet, or this one is done
+            chosen = self._held(fresh, plan[0], plan[1])
+        else:
+            chosen = self._newest(files)
+        if chosen is None:
             return
-        step, paths = newest
+        step, paths = chosen
         try:
             key = (target, step, tuple(os.stat(p).st_ino for p in paths))
         except OSError:
             return  # a file renamed meanwhile (reused for a newer step)
         if key == self._sent:
+            if plan is not None and self._planned:
+                self.result = (plan[0], step)  # placed already (for an earlier plan)
             return
         try:
             started = time.monotonic()
-            if self._send(target, step, paths):
+            placed = self._send(target, step, paths, -1 if plan is None else plan[2])
+            if placed:
                 self._sent, self._said = key, None
                 self.sent += 1
                 self.last_s = time.monotonic() - started
-                self._check_lag(step)
+            if plan is not None and self._planned:
+                self.result = (plan[0], step if placed else -1)
         except (OSError, ReplicaError, ValueError) as err:
             if self._said != target:
                 self._said = target
@@ -137,29 +169,42 @@ class Sender:
             self._ids[key] = peek(path).sharded
         return self._ids[key]
 
-    def _report_own(self, files: list[tuple[int, int, str]]) -> None:
-        """The oldest step of this node's files written in this round, to ``on_own``."""
-        if self._round is None:
-            return
-        attempt, started = self._round
-        steps = []
-        for step, _, path in files:
+    def _fresh(self, files: list[tuple[int, int, str]],
+               rnd: tuple[int, int] | None) -> list[tuple[int, int, str]]:
+        """The files written in round ``rnd`` (renamed into place after it began), oldest first."""
+        if rnd is None:
+            return []
+        found = []
+        for step, local, path in files:
             try:
-                if os.stat(path).st_ctime_ns >= started:
-                    steps.append(step)
+                if os.stat(path).st_ctime_ns >= rnd[1]:
+                    found.append((step, local, path))
             except OSError:
                 continue
-        if steps:
-            self._on_own(attempt, min(steps))
+        return found
 
-    def _check_lag(self, sent: int) -> None:
-        newest = self._newest(list_complete(self.area))
-        if newest is not None and newest[0] >= sent + 2 and not self._lag_said:
-            self._lag_said = True
-            self._log(f"[elasticstore-run] the replica lags: step {sent} took {self.last_s:.2f}s "
-                      f"to copy and the workers are at step {newest[0]}; until it keeps up, a "
-                      "node lost resumes from the disk checkpoint (snapshot less often, or a "
-                      "faster network between the nodes)")
+    def _held(self, fresh: list[tuple[int, int, str]], number: Plan,
+              floor: int) -> tuple[int, list[str]] | None:
+        """The step of plan ``number``: each local rank's oldest step ``>= floor``, when they
+        agree (they do not: ``result`` says missed); None while a rank has none yet."""
+        oldest: dict[int, tuple[int, str]] = {}
+        for step, local, path in fresh:
+            if step >= floor and local < self.nproc and local not in oldest:
+                oldest[local] = (step, path)
+        if len(oldest) < self.nproc:
+            return None
+        steps = {step for step, _ in oldest.values()}
+        if len(steps) > 1:
+            self.result = (number, -1)
+            return None
+        paths = [oldest[i][1] for i in range(self.nproc)]
+        try:
+            if not all(self._sharded(p) for p in paths):
+                return None
+        except (OSError, ValueError):
+            self.result = (number, -1)  # taken for a newer step: the hold came too late
+            return None
+        return steps.pop(), paths
 
     def _newest(self, listed: list[tuple[int, int, str]]) -> tuple[int, list[str]] | None:
         """The newest step every local rank holds a complete file of (sharded), with the files."""
@@ -187,7 +232,7 @@ class Sender:
                 pass  # not an address of this machine (a name for another interface)
         return socket.create_connection(target, CONNECT_S)
 
-    def _send(self, target: Target, step: int, paths: list[str]) -> bool:
+    def _send(self, target: Target, step: int, paths: list[str], keep: int) -> bool:
         """One transfer; whether the files were placed (False: one changed while read)."""
         fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
         try:
@@ -207,7 +252,7 @@ class Sender:
                     raise ReplicaError(f"{target[0]}:{target[1]} is not a replica endpoint")
                 nonce = hello[len(PREAMBLE):]
                 send_frame(sock, {"sender": self.id, "step": step, "sizes": sizes,
-                                  "attempt": self._written_in(stats),
+                                  "attempt": self._written_in(stats), "keep": keep,
                                   "mac": mac(self._token, nonce) if self._token else ""}, deadline)
                 reply = recv_frame(sock, deadline)
                 if reply.get("ok") is not True:

@@ -7,8 +7,10 @@ at about the same moment, right after the round's worker counts), asking the sto
 are there every ``POLL_S`` (short calls: the agent's own use of the store never waits behind a
 blocking wait), for at most ``LOOKUP_S``. The agent is never held up: a neighbour lost before it
 published costs that round's replicas (said), not the agent's watch over its workers. A round of
-one node has no ring: the sender idles and what the receiver holds stays (the replicas of a node
-just lost are what this node restores from).
+one node has no ring: the sender idles, the area's hold file is removed (its workers keep their
+two newest snapshots only), and what the receiver holds stays (the replicas of a node just lost
+are what this node restores from). A round of two nodes or more runs its schedule
+(``schedule.py``): which step is sent, and which steps the workers keep for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..train.snapshots.hold import remove_hold
 from .receiver import Receiver
+from .schedule import Schedule
 from .sender import Sender
 
 __all__ = ["LOOKUP_S", "ReplicaService", "key"]
@@ -55,13 +59,15 @@ class ReplicaService:
 
     def __init__(self, area: str, nproc: int, host: str, token: str,
                  log: Callable[[str], None] = lambda _: None) -> None:
-        self.host, self._log = host, log
+        self.host, self.area, self._log = host, area, log
         self._round = 0  # new_round's count: a lookup of an earlier round gives up
         self._lock = threading.Lock()
+        self._schedule: Schedule | None = None
+        self._committed: int | None = None  # the last committed step (an earlier round's)
         self.receiver = Receiver(area, host, token, log)
         try:
             self.sender = Sender(area, nproc, uuid.uuid4().hex, token, host, log,
-                                 self.receiver.own_written)
+                                 self.receiver.own_written, planned=True)
         except BaseException:
             self.receiver.close()
             raise
@@ -74,15 +80,25 @@ class ReplicaService:
             number = self._round
             self.sender.set_target(None)
             self.receiver.allow(set())
+        self._stop_schedule()
         self.receiver.new_round(attempt)
         self.sender.new_round(attempt, time.time_ns())
         store.set(key(attempt, node_rank),
                   json.dumps({"host": self.host, "port": self.receiver.port}))
         if nnodes < 2:
+            remove_hold(self.area)
             return
         succ, pred = (node_rank + 1) % nnodes, (node_rank - 1) % nnodes
         threading.Thread(target=self._find, args=(store, number, attempt, succ, pred),
                          name="replica-ring", daemon=True).start()
+        self._schedule = Schedule(store, attempt, node_rank, nnodes, self.sender, self.area,
+                                  self._committed, self._log)
+
+    def _stop_schedule(self) -> None:
+        schedule, self._schedule = self._schedule, None
+        if schedule is not None:
+            schedule.stop()
+            self._committed = schedule.committed
 
     def _find(self, store: Any, number: int, attempt: int, succ: int, pred: int) -> None:
         names = [key(attempt, succ), key(attempt, pred)]
@@ -110,5 +126,6 @@ class ReplicaService:
     def close(self) -> None:
         with self._lock:
             self._round += 1  # a lookup in progress gives up
+        self._stop_schedule()
         self.sender.close()
         self.receiver.close()

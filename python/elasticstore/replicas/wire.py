@@ -4,7 +4,8 @@ receiving agent (``receiver.py``), every size and wait bounded.
 ::
 
     receiver -> sender   PREAMBLE | nonce (32 random bytes)
-    sender -> receiver   frame {"sender": id, "mac": hex, "step": S, "sizes": [bytes, ...]}
+    sender -> receiver   frame {"sender": id, "mac": hex, "step": S, "sizes": [bytes, ...],
+                                "attempt": round written in (-1: before), "keep": step (-1)}
     receiver -> sender   frame {"ok": true} (or {"ok": false, "error": why}: nothing sent)
     sender -> receiver   the files' bytes, one after the other
     receiver -> sender   frame {"received": true} once it has read every byte

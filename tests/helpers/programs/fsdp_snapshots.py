@@ -7,7 +7,12 @@ Every run first restores (``Snapshots.restore(template=...)``) and writes what i
 every step and writing the full state after each step's snapshot to ``full-<step>.pt`` (rank 0).
 ``--kill-rank R --kill-at K``: rank R SIGKILLs itself in the first attempt after step K's
 snapshot. ``--ckpt DIR``: disk checkpoints (DCP) every ``--ckpt-every`` steps. ``--step-time S``:
-each step sleeps S seconds more (a test's time to act between steps).
+each step sleeps S seconds more (a test's time to act between steps). ``--ballast-mb M``: the
+state also holds ``extra.ballast``, a DTensor of M MB sharded by rows whose every value is a
+function of the step and the row (``ballast_value``): a large state that costs no all-gather per
+step; it is left out of the ``.pt`` files, and the restored one is checked against the step it
+came from (``ballast_ok`` in the json, per rank). ``--steps-after-restore N``: a run that
+restored a step trains N steps past it (not to ``--steps``).
 """
 
 import argparse
@@ -26,11 +31,21 @@ def full_state(state: Any) -> dict[str, Any]:
     flat, _ = flatten_state_dict(state)
     out = {}
     for k in sorted(flat):
+        if k.endswith("ballast"):
+            continue  # checked against ballast_value instead
         v = flat[k]
         if isinstance(v, DTensor):
             v = v.full_tensor()
         out[k] = v.clone() if isinstance(v, torch.Tensor) else v
     return out
+
+
+def ballast_value(local: Any, step: int, first_row: int) -> Any:
+    """What the ballast's rows ``first_row ..`` hold at ``step`` (exact in float32)."""
+    import torch
+
+    rows = torch.arange(first_row, first_row + local.shape[0], dtype=torch.float32) % 8
+    return (rows + 8.0 * step)[:, None].expand(local.shape)
 
 
 def main() -> None:
@@ -42,6 +57,8 @@ def main() -> None:
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ckpt-every", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--ballast-mb", type=int, default=0)
+    p.add_argument("--steps-after-restore", type=int, default=-1)
     args = p.parse_args()
 
     import torch
@@ -58,12 +75,20 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 14), nn.ReLU(), nn.Linear(14, 3))  # uneven shards
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    rows = args.ballast_mb * 256  # 1024 float32 a row: 256 rows a MB (divisible by 2 and 4)
+    ballast = torch.zeros(rows // world, 1024)
 
     def state() -> dict[str, Any]:
         msd, osd = get_state_dict(model, optim)
-        return {"model": msd, "optim": osd, "extra": {"note": "x", "steps_seen": step}}
+        extra: dict[str, Any] = {"note": "x", "steps_seen": step}
+        if rows:
+            from torch.distributed.tensor import DTensor, Shard
+
+            extra["ballast"] = DTensor.from_local(ballast, mesh, [Shard(0)], run_check=False)
+        return {"model": msd, "optim": osd, "extra": extra}
 
     step = 0
     snaps = Snapshots(every=1, checkpoint_dir=args.ckpt, checkpoint_every=args.ckpt_every,
@@ -77,14 +102,21 @@ def main() -> None:
     full = full_state(state())
     sources: list[Any] = [None] * world
     dist.all_gather_object(sources, None if restored is None else restored.source)
+    ballast_ok: list[Any] = [None] * world
+    dist.all_gather_object(ballast_ok, bool(torch.equal(
+        ballast, ballast_value(ballast, step, rank * ballast.shape[0]))) if rows else None)
     if rank == 0:
         tag = f"restored-{attempt}-{world}"
         torch.save(full, os.path.join(args.dir, f"{tag}.pt"))
         with open(os.path.join(args.dir, f"{tag}.json"), "w") as f:
             json.dump(None if restored is None else {
                 "step": restored.step, "source": restored.source, "sources": sources,
-                "extra": template["extra"]}, f)
-    while step < args.steps:
+                "ballast_ok": ballast_ok,
+                "extra": {k: v for k, v in template["extra"].items() if k != "ballast"}}, f)
+    end = args.steps
+    if restored is not None and args.steps_after_restore >= 0:
+        end = step + args.steps_after_restore
+    while step < end:
         step += 1
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(8, 10, generator=g)
@@ -92,6 +124,8 @@ def main() -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
+        if rows:
+            ballast.copy_(ballast_value(ballast, step, rank * ballast.shape[0]))
         time.sleep(args.step_time)
         snaps.snapshot(state, step)
         full = full_state(state())
