@@ -188,9 +188,10 @@ def test_replicas_from_before_a_resume_are_dropped(areas: tuple[str, str]) -> No
 
 def test_a_ring_of_three_agents_through_the_rounds_store(tmp_path: Path) -> None:
     """Three services publish their endpoints in one round's store (no token: each takes its
-    predecessor's address only): node i's files land on node (i + 1) % 3; in the next round of
-    one node there is no ring and what arrived stays; a round whose other node never publishes
-    does not hold the caller up."""
+    predecessor's address only): the leader's floor is the step after its newest, which nobody
+    sends; then node i's files of that step land on node (i + 1) % 3 and it is committed (every
+    hold file says so); in the next round of one node there is no ring, no hold, and what arrived
+    stays; a round whose other node never publishes does not hold the caller up."""
     import threading
 
     import torch.distributed as dist
