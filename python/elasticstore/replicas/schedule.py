@@ -110,8 +110,8 @@ class Schedule:
 
     def _follow(self) -> None:
         key = plan_key(self._attempt)
-        if not self._store.check([key]):
-            return
+        if self._seen is None and not self._store.check([key]):
+            return  # (once it exists, one get a look)
         plan = _record(self._store.get(key), ("n", "floor", "committed"))
         if plan["n"] != self._seen:
             if plan["committed"] is not None:
