@@ -29,6 +29,8 @@ __all__ = ["AgentSide"]
 
 log = logging.getLogger(__name__)
 
+END_GRACE_S = 0.5  # a round watch's time to return what the lost host sent before it left
+
 
 class AgentSide:
     """Mixed into ``ElasticRendezvousHandler``, whose state it reads."""
@@ -60,6 +62,8 @@ class AgentSide:
         """The failover's state, and the follower at this node's endpoint (``follower.py``)."""
         self._carried = Carried()  # what this node would seed a new store host with
         self._lost = None  # the store's host was lost: switch at the next join
+        self._loss_settled = threading.Event()  # set: the round watch had its last word
+        self._loss_settled.set()
         self._moves = []  # the switches of store host this node made
         self._loss_lock = threading.Lock()
         self._watch = None
@@ -133,10 +137,15 @@ class AgentSide:
             if self._lost is not None or self._shut or not self._may_fail_over(error):
                 return
             self._lost = error
-        watch = self._watch
-        if watch is not None:
-            watch.end()
-        serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
+            self._loss_settled.clear()
+        try:
+            watch = self._watch
+            if watch is not None:  # what the host sent before it left is read first (a stop)
+                watch.end(grace=END_GRACE_S)
+        finally:
+            self._loss_settled.set()
+        if self._stop_seen is None:  # a stopped run is not hosted again
+            serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
 
     def _check_store(self) -> None:
         """Before a join, on an agent-hosted store of several endpoints that this node does not
@@ -277,6 +286,8 @@ class AgentSide:
         """Why the rendezvous was closed (``elasticstore stop`` writes "stopped by operator");
         None when it is open or closed without a reason. Once this node saw the run closed (in
         the event that ended its round), that reason, with no read: the store may be gone."""
+        if self._lost is not None:  # the round watch's last word first (``_saw_loss``)
+            self._loss_settled.wait(END_GRACE_S + 1.0)
         if self._stop_seen is not None:
             return self._stop_seen
         if self._lost is not None:  # the store's host is lost: what this node read last

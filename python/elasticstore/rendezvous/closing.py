@@ -12,6 +12,7 @@ store gone (its host may have left already).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -74,12 +75,19 @@ class RoundWatch:
         self._on_lost = on_lost  # told of a lost store, which then ends the round (failover.py)
         self._closed = False
         self._ended = False  # end(): the store's host was found lost elsewhere (the host probe)
+        self._watching = threading.Event()  # a wait is reading the store (end's grace)
+        self._returned = threading.Event()
         self.slice = WATCH_SLICE  # seconds of one watch: no reply within slice + store_timeout is a loss
 
-    def end(self) -> None:
+    def end(self, grace: float = 0.0) -> None:
         """The round is over (its store's host is lost, as another thread found): ``wait``
-        returns True at once, now or when next called."""
+        returns True at once, now or when next called. With ``grace``, a ``wait`` in progress
+        in another thread first gets up to ``grace`` s to return what the store already sent
+        (a stop the host wrote before it left, buffered while this process was frozen), so that
+        ``on_stop`` is told before this returns."""
         self._ended = True
+        if grace > 0 and self._watching.is_set():
+            self._returned.wait(grace)
         try:
             self._b.close()
         except Exception:
@@ -96,6 +104,8 @@ class RoundWatch:
         deadline = time.monotonic() + timeout
         if self._ended:
             return True
+        self._returned.clear()
+        self._watching.set()
         try:
             rev = self._b.revision()
             value = self._b.get(self._key)
@@ -103,13 +113,12 @@ class RoundWatch:
                 return self._seen(value)
             while (left := deadline - time.monotonic()) > 0:
                 event = self._b.watch(self._key, rev, min(left, self.slice))
+                if event is not None and event.key == self._key and event.kind == "set":
+                    return self._seen(event.value)  # before end(): what the store sent first
                 if self._ended:
                     return True
-                if event is None:
-                    continue
-                rev = event.version
-                if event.key == self._key and event.kind == "set":
-                    return self._seen(event.value)
+                if event is not None:
+                    rev = event.version
             return False
         except WatchCompactedError:
             value = self._b.get(self._key)
@@ -121,8 +130,12 @@ class RoundWatch:
                 return False
             if self._on_lost is None:
                 raise
+            self._watching.clear()  # (on_lost ends this watch: no grace to wait for)
             self._on_lost(exc)
             return True
+        finally:
+            self._watching.clear()
+            self._returned.set()
 
     def close(self) -> None:
         self._closed = True
