@@ -5,6 +5,7 @@ auth, exactly-once transactions, process groups."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -342,14 +343,18 @@ def test_revision_discard_and_delete_prefixes(store: elasticstore.EtcdStore) -> 
 
 
 def test_failover_to_the_next_endpoint_and_unreachable(etcd: etcd_cluster.Cluster) -> None:
-    dead = f"127.0.0.1:{etcd_cluster.free_ports(1)[0]}"
-    with elasticstore.EtcdStore([dead] + etcd.endpoints, prefix="/fo", timeout=T5) as st:
-        st.set("k", "v")
-        assert st.get("k") == b"v"
-    start = time.monotonic()
-    with pytest.raises(StoreNetworkError, match="no endpoint"):
-        elasticstore.EtcdStore([dead], connect_timeout=timedelta(seconds=1))
-    assert time.monotonic() - start < 3
+    # a port held bound and never listened on: refused for the whole test (a port merely found
+    # free was taken by another test's etcd meanwhile once, and the "dead" endpoint answered)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{held.getsockname()[1]}"
+        with elasticstore.EtcdStore([dead] + etcd.endpoints, prefix="/fo", timeout=T5) as st:
+            st.set("k", "v")
+            assert st.get("k") == b"v"
+        start = time.monotonic()
+        with pytest.raises(StoreNetworkError, match="no endpoint"):
+            elasticstore.EtcdStore([dead], connect_timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 3
 
 
 def test_cluster_failover_follower_then_leader() -> None:
