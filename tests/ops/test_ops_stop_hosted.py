@@ -117,8 +117,9 @@ def test_host_gone_before_the_other_thaws(tmp_path: Any) -> None:
     """The other agent stays frozen past its liveness timeout (lease_ttl=6), so the host no
     longer waits for it and exits; the other, thawed, finds the store gone: it saw the stop in
     its round watch (buffered before the host left), and exits 0 too. The stop is sent from here,
-    at once after the freeze: it must land before the host takes the frozen node for lost (a
-    shorter lease lost that race on a loaded machine: the host ended the round for a new one)."""
+    at once after the freeze: it must land before the host takes the frozen node for lost (6 s
+    leaves room on a loaded machine). Once thawed, the other's threads all wake at once: the one
+    that finds the host gone must not drop the stop its round watch already received."""
     port = free_port()
     conf = [CONF[0], CONF[1] + ",lease_ttl=6", *CONF[2:]]
     with agents(str(tmp_path)) as a:
