@@ -34,7 +34,9 @@ def restarts(events_path: str) -> list[dict[str, Any]]:
     last_t: float | None = None
     for e in events:
         if e["event"] == "start":
-            if reached is not None:
+            if reached is not None:  # rank 0 snapshots a step before it records it: a
+                # restart may resume from one step past the newest it recorded (nothing redone)
+                reached = max(reached, e["step"])
                 out.append({"step": e["step"], "world": e["world"], "sources": e["sources"],
                             "reached": reached, "redone": reached - e["step"],
                             "gap_s": None, "last_step_t": last_t})
@@ -51,8 +53,8 @@ def restarts(events_path: str) -> list[dict[str, Any]]:
 
 
 def _kind(sources: list[str | None]) -> str:
-    """One restart's sources: ``memory``, ``peer``, ``disk``, ``none`` (step 0), or a mix."""
-    kinds = sorted({s or "none" for s in sources})
+    """One restart's sources: ``memory``, ``peer``, ``disk``, ``nothing`` (step 0), or a mix."""
+    kinds = sorted({s or "nothing (step 0)" for s in sources})
     return "+".join(kinds)
 
 
@@ -188,6 +190,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
                     if r["scenario"] == s and r["launcher"] == launcher:
                         xs.append(j + (i - 0.5) * width)
                         ys.append(r.get("goodput") or 0.0)
+                        if r.get("goodput") is None:  # say why there is no bar
+                            ax.text(xs[-1], 0.02, outcome(r)[1].strip("— ()"), rotation=90,
+                                    ha="center", va="bottom", fontsize=7)
             if xs:
                 ax.bar(xs, ys, width, label=launcher)
         ax.set_xticks(range(len(scenarios)))
