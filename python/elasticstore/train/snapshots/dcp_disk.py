@@ -3,7 +3,8 @@ without a collective (it is written by each rank's background thread, from its s
 
 Each rank writes its data file (``__<rank>_0.distcp``, by DCP's ``FileSystemWriter``) and then a
 record of what it wrote (``.part-<rank>``, atomically) into ``.dcp-step-<step>.tmp``; the rank
-that finds every part of the step's world size there writes DCP's ``.metadata`` and renames the
+that finds every part of the step's world size there, and is the first to create ``.completing``
+in it (two ranks may find every part at once), writes DCP's ``.metadata`` and renames the
 directory to ``dcp-step-<step>``. A checkpoint is complete only under that name: ``dcp.load`` (or
 ``Snapshots.restore(template=...)``) reads it at any world size. The newest ``keep`` are kept; a
 step some rank skipped (its disk writer lagged) never completes and is removed once a newer one
@@ -31,6 +32,7 @@ __all__ = ["write_shard"]
 
 log = logging.getLogger("elasticstore.train.snapshots")
 _TMP = re.compile(r"^\.dcp-step-(\d{12,})\.tmp$")
+_CLAIM = ".completing"  # created (O_EXCL) by the one rank that completes a step
 
 
 class _Planner(SavePlanner):
@@ -77,6 +79,8 @@ def write_shard(directory: str, step: int, rank: int, world: int, items: list[Wr
     try:
         return _write_shard(directory, step, rank, world, items, data, keep)
     except OSError:
+        if os.path.exists(os.path.join(directory, f"dcp-step-{step:012d}")):
+            return None  # another rank completed it meanwhile
         newer = [n for n in os.listdir(directory)
                  if re.fullmatch(r"dcp-step-\d{12,}", n) and int(n.split("-")[-1]) > step]
         if newer:
@@ -106,6 +110,10 @@ def _write_shard(directory: str, step: int, rank: int, world: int, items: list[W
         with open(os.path.join(tmp, name), "rb") as f:
             loaded[int(name.split("-")[1])] = pickle.load(f)
     if set(loaded) != set(range(world)) or any(v[0] != world for v in loaded.values()):
+        return None
+    try:  # one rank completes the step: two may find every part at once
+        os.close(os.open(os.path.join(tmp, _CLAIM), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
         return None
     metadata = build_metadata(step, {r: v[1] for r, v in loaded.items()})
     # duplicates (plain tensors, objects): rank 0's copy is named last, so it is the one read
