@@ -129,23 +129,25 @@ class AgentSide:
 
     def _saw_loss(self, error: BaseException) -> None:
         """A store call, the round watch, a ring watcher or the host probe (any thread) found
-        the store gone: once a survivor may take it over, the round is over (its watch ends),
-        the first candidate serves the next epoch at once (``takeover.serve_early``: not after
-        its agent stopped its workers), and the next join switches without waiting on the lost
-        host again."""
+        the store gone: once a survivor may take it over, the first candidate serves the next
+        epoch at once (``takeover.serve_early``: not after its agent stopped its workers), the
+        round is over (its watch ends, after handing over what it already received: a stop the
+        host wrote before it left), and the next join switches without waiting on the lost host
+        again."""
         with self._loss_lock:
             if self._lost is not None or self._shut or not self._may_fail_over(error):
                 return
             self._lost = error
             self._loss_settled.clear()
         try:
-            watch = self._watch
-            if watch is not None:  # what the host sent before it left is read first (a stop)
-                watch.end(grace=END_GRACE_S)
-        finally:
-            self._loss_settled.set()
-        if self._stop_seen is None:  # a stopped run is not hosted again
             serve_early(self)  # type: ignore[arg-type]  # the handler, which this is mixed into
+        finally:
+            watch = self._watch
+            try:  # what the host sent before it left (a stop) is handed over first
+                if watch is not None:
+                    watch.end(grace=END_GRACE_S)
+            finally:
+                self._loss_settled.set()
 
     def _check_store(self) -> None:
         """Before a join, on an agent-hosted store of several endpoints that this node does not
