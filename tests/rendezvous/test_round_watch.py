@@ -6,7 +6,6 @@ thawed node took the job for alive and hosted it again."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading

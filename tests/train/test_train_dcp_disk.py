@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-
 from elasticstore.train.snapshots.dcp_disk import write_shard
 from elasticstore.train.snapshots.shards import to_payload
 

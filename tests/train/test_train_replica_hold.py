@@ -18,34 +18,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
-import signal
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from agent_nodes import agents, free_port, node_flags, tree, until
-from paths import program
+from agent_nodes import agents, free_port, until
+from sharded_nodes import full_steps, kill_node, restored_at_world_2, start_two_nodes
 
-from elasticstore.agent.snapshots import ROOT_ENV
-
-TRAIN = program("fsdp_snapshots.py")
-CONF = ["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1"]
 HOLD = ".replica-hold"
-
-
-def full_steps(workdir: str) -> list[int]:
-    return sorted(int(m.group(1)) for p in glob.glob(os.path.join(workdir, "full-*.pt"))
-                  if (m := re.search(r"full-(\d+)\.pt$", p)))
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def committed(root: str) -> int | None:
@@ -73,12 +53,8 @@ def test_node_lost_at_any_moment_resumes_from_the_committed_step(tmp_path: Path,
     workdir, port = str(tmp_path), free_port()
     args = ["--dir", workdir, "--steps", "100", "--step-time", "0.02", "--ballast-mb", "128",
             "--steps-after-restore", "2"]
-    env = {ROOT_ENV: shm_root}
     with agents(workdir) as a:
-        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 2, *CONF), args, name="n1", env=env,
-                     script=TRAIN)
-        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 2, *CONF), args, name="n2", env=env,
-                     script=TRAIN)
+        n1, n2 = start_two_nodes(a, port, args, shm_root)
         until(lambda: os.path.exists(os.path.join(workdir, "restored-0-4.json")), 150,
               "the workers at world size 4")
         until(lambda: committed(shm_root) is not None or newest(workdir) >= 40, 120,
@@ -86,33 +62,15 @@ def test_node_lost_at_any_moment_resumes_from_the_committed_step(tmp_path: Path,
         at = max(newest(workdir) + 5, 30)  # a few commits later, at no particular moment
         until(lambda: newest(workdir) >= at, 60, f"step {at}")
         held = committed(shm_root)
-        doomed = [p for p in tree(n2.pid) if "agent/snapshots.py" not in cmdline(p)]
-        for pid in doomed:  # the whole node at once (its area's reaper stays: memory lost)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        assert a.wait(n2, 10) == -signal.SIGKILL
+        kill_node(a, n2)  # without waiting for any replica to catch up
         time.sleep(0.5)  # a full-<step>.pt being written when the node died
         last = newest(workdir)
         code = a.wait(n1, 150)
         out = a.output(n1)
         lost = a.output(n2)
     assert code == 0, out[-4000:]
-    found = glob.glob(os.path.join(workdir, "restored-*-2.json"))
-    assert len(found) == 1, (found, out[-4000:])
-    with open(found[0]) as f:
-        got = json.load(f)
-    assert got is not None, ("nothing restored", held, last, out[-4000:], lost[-3000:])
+    got = restored_at_world_2(workdir, (held, last, out[-4000:], lost[-3000:]))
     assert got["sources"] == ["memory", "memory"], (got, held, last)  # not disk, not step 0
     assert held is not None, (got, last)
     assert held <= got["step"] <= last, (got, held, last)
     assert got["ballast_ok"] == [True, True], got
-    state = torch.load(found[0].replace(".json", ".pt"), weights_only=False)
-    want = torch.load(os.path.join(workdir, f"full-{got['step']}.pt"), weights_only=False)
-    assert sorted(state) == sorted(want)
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(state[key], value), key
-        else:
-            assert state[key] == value, key

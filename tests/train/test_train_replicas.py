@@ -12,27 +12,14 @@ it restores (every DTensor's ``full_tensor()``) equals the one recorded at that 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from agent_nodes import agents, free_port, node_flags, tree, until
-from paths import program
-
-from elasticstore.agent.snapshots import ROOT_ENV
-
-TRAIN = program("fsdp_snapshots.py")
-CONF = ["--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1"]
-
-
-def full_steps(workdir: str) -> list[int]:
-    return sorted(int(m.group(1)) for p in glob.glob(os.path.join(workdir, "full-*.pt"))
-                  if (m := re.search(r"full-(\d+)\.pt$", p)))
+from agent_nodes import agents, free_port, until
+from sharded_nodes import full_steps, kill_node, restored_at_world_2, start_two_nodes
 
 
 def replica_steps(root: str) -> list[int]:
@@ -45,26 +32,14 @@ def replica_steps(root: str) -> list[int]:
     return found
 
 
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 @pytest.mark.slow  # ~30-70 s on 2 shared cores (load average 40+)
 @pytest.mark.timeout(240)
 def test_node_lost_survivor_resumes_from_memory_with_the_replica(tmp_path: Path,
                                                                  shm_root: str) -> None:
     workdir, port = str(tmp_path), free_port()
     args = ["--dir", workdir, "--steps", "12", "--step-time", "0.2"]
-    env = {ROOT_ENV: shm_root}
     with agents(workdir) as a:
-        n1 = a.start(node_flags("127.0.0.2", port, "1:2", 2, *CONF), args, name="n1", env=env,
-                     script=TRAIN)
-        n2 = a.start(node_flags("127.0.0.3", port, "1:2", 2, *CONF), args, name="n2", env=env,
-                     script=TRAIN)
+        n1, n2 = start_two_nodes(a, port, args, shm_root)
         until(lambda: os.path.exists(os.path.join(workdir, "restored-0-4.json")), 150,
               "the workers at world size 4")
         until(lambda: [s for s in full_steps(workdir) if s >= 5], 60, "step 5 at world size 4")
@@ -72,31 +47,13 @@ def test_node_lost_survivor_resumes_from_memory_with_the_replica(tmp_path: Path,
         # an agent's thread may wait seconds for a core: what the console's lag line is for)
         until(lambda: (r := replica_steps(shm_root)) and len(r) == 2 and
               min(r) >= max(full_steps(workdir)) - 1, 60, "the replicas one step behind at most")
-        doomed = [p for p in tree(n2.pid) if "agent/snapshots.py" not in cmdline(p)]
-        for pid in doomed:  # the whole node at once (its area's reaper stays: memory lost)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        assert a.wait(n2, 10) == -signal.SIGKILL
+        kill_node(a, n2)
         time.sleep(0.5)  # a full-<step>.pt being written when the node died
         last = max(full_steps(workdir))
         code = a.wait(n1, 150)
         out = a.output(n1)
         lost = a.output(n2)
     assert code == 0, out[-4000:]
-    found = glob.glob(os.path.join(workdir, "restored-*-2.json"))
-    assert len(found) == 1, (found, out[-4000:])
-    with open(found[0]) as f:
-        got = json.load(f)
-    assert got is not None, (last, out[-4000:], lost[-3000:])
+    got = restored_at_world_2(workdir, (last, out[-4000:], lost[-3000:]))
     assert got["step"] >= last - 1, (got, last, out[-4000:], lost[-3000:])
     assert got["sources"] == ["memory", "memory"], got  # the replica is in this node's memory
-    state = torch.load(found[0].replace(".json", ".pt"), weights_only=False)
-    want = torch.load(os.path.join(workdir, f"full-{got['step']}.pt"), weights_only=False)
-    assert sorted(state) == sorted(want)
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(state[key], value), key
-        else:
-            assert state[key] == value, key
