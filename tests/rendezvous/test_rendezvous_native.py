@@ -109,7 +109,7 @@ def _gil_holder(seconds: float) -> Callable[[], float]:
 
 
 def test_busy_decider_is_not_replaced(agents: Callable[..., Agents]) -> None:
-    """The decider's process is busy but alive (its Python threads get no time for three lease
+    """The decider's process is busy but alive (its Python threads get no time for 1.5 to 5 lease
     TTLs, as with a thousand agents in one interpreter): the waiting node does not take its
     place, and the round forms as soon as the decider gets the time back."""
     from elasticstore.rendezvous.handler import ElasticRendezvousHandler
@@ -139,7 +139,7 @@ def test_busy_decider_is_not_replaced(agents: Callable[..., Agents]) -> None:
                 while store.try_get("rdzv/job/ctl/decider/1") != handler.node_id.encode():
                     assert time.monotonic() < deadline, "this process's node did not decide"
                     time.sleep(0.05)
-                hold = _gil_holder(3 * ttl)
+                hold = _gil_holder(5 * ttl)  # margin: the calibration may be off by 2x under load
                 (other,) = group.start_together(["127.0.0.3"])  # joins while we are busy
                 held = hold()
                 back = time.time()
