@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
+from agent_nodes import until
 from elasticstore.replicas import ReplicaService
 from elasticstore.train.snapshots import fileformat
 from elasticstore.train.snapshots.hold import HOLD_NAME
@@ -40,15 +38,6 @@ def hold(area: str) -> Any:
         return None
 
 
-def until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def test_different_steps_for_one_floor_move_it_and_the_committed_step_is_kept(
         tmp_path: Path) -> None:
     store = dist.HashStore()
@@ -71,21 +60,21 @@ def test_different_steps_for_one_floor_move_it_and_the_committed_step_is_kept(
             s.new_round(store, 0, i, 2)
         for i, area in enumerate(areas):
             write(area, 1, i)
-        until(lambda: floors({"committed": None, "floor": 2}), "floor 2")
+        until(lambda: floors({"committed": None, "floor": 2}), 20.0, "floor 2")
         write(areas[0], 2, 0)
         write(areas[1], 3, 1)  # node 1's step 2 was reused before its workers saw the hold
         # placed: 2 and 3; the leader's newest is 2: floor 2 + gap 2
-        until(lambda: floors({"committed": None, "floor": 4}), "floor 4")
+        until(lambda: floors({"committed": None, "floor": 4}), 20.0, "floor 4")
         assert sum("the nodes placed steps [2, 3]" in line for line in said) == 1, said
         for i, area in enumerate(areas):
             write(area, 4, i)
-        until(lambda: floors({"committed": 4, "floor": 6}), "4 committed, floor 6")
+        until(lambda: floors({"committed": 4, "floor": 6}), 20.0, "4 committed, floor 6")
         assert (steps(0), steps(1)) == ([3, 4], [2, 4])
         for floor, miss in ((6, 10), (10, 18)):  # missed again twice: gap 4, then 8
             write(areas[0], floor, 0)
             write(areas[1], floor + 1, 1)
             want = {"committed": 4, "floor": miss}
-            until(lambda: floors(want), f"floor {miss}")
+            until(lambda: floors(want), 20.0, f"floor {miss}")
         assert (steps(0), steps(1)) == ([4, 7, 11], [4, 6, 10])  # 4 kept: the committed step
         assert sum("the nodes placed steps" in line for line in said) == 1, said
     finally:
