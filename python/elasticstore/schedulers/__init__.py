@@ -64,7 +64,5 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str],
 def finish(rc: int, environ: Mapping[str, str], prog: str = "elasticstore-run") -> int:
     """The launcher's exit code ``rc``, after what the scheduler needs at exit (Slurm: a preempted
     requeueable job is requeued when the launcher exits non-zero); says what it did."""
-    said = requeue_if_preempted(rc, environ)
-    if said is not None:
-        print(f"[{prog}] {said}", file=sys.stderr, flush=True)
+    requeue_if_preempted(rc, environ, lambda said: print(f"[{prog}] {said}", file=sys.stderr, flush=True))
     return rc

@@ -33,7 +33,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..runflags import UsageError
@@ -160,25 +160,27 @@ def _scontrol(*args: str) -> tuple[int, str]:
     return done.returncode, (done.stdout + done.stderr).strip()
 
 
-def requeue_if_preempted(rc: int, environ: Mapping[str, str]) -> str | None:
+def requeue_if_preempted(rc: int, environ: Mapping[str, str], say: Callable[[str], None]) -> None:
     """After the launcher stopped with a failure (``rc`` not 0: its signal, 128 + N, or a worker
     that Slurm's SIGTERM reached first) inside a requeueable Slurm job that is being preempted:
-    requeues the job, and says so. Slurm requeues a preempted job only when it
+    requeues the job, saying so through ``say`` *before* it asks (the requeue ends the step, and
+    with it the forwarding of this process's output). Slurm requeues a preempted job only when it
     is still running at the end of its ``GraceTime``; a job whose launcher stopped its workers and
     exited within it would end ``FAILED`` (or ``COMPLETED``) instead. Cancelled, timed out or
     already requeued jobs are left alone (their state is not ``RUNNING`` with a ``PreemptTime``)."""
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job or rc == 0:
-        return None
+        return
     code, text = _scontrol("show", "job", "-o", job)
     if code != 0:
-        return f"Slurm: could not read job {job} to see whether it is being preempted: {text}"
+        say(f"Slurm: could not read job {job} to see whether it is being preempted: {text}")
+        return
     fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
     preempted = fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
     if not (preempted and fields.get("JobState") == "RUNNING" and fields.get("Requeue") == "1"):
-        return None
+        return
+    say(f"Slurm: job {job} is being preempted (since {fields['PreemptTime']}) and is requeueable: "
+        "requeueing it (Slurm requeues only a job still running when its GraceTime ends)")
     code, text = _scontrol("requeue", job)
     if code != 0:  # another node of the job asked first
-        return f"Slurm: job {job} is being preempted; requeue: {text or code}"
-    return (f"Slurm: job {job} is being preempted (since {fields['PreemptTime']}) and is "
-            "requeueable: requeued it (Slurm requeues only a job still running when its GraceTime ends)")
+        say(f"Slurm: job {job}: requeue: {text or code}")
