@@ -127,19 +127,31 @@ class Node:
             self.close()
             raise
 
-    def _wait_reachable(self, timeout: float = 10.0) -> None:
-        """Until a TCP connect from the node to a root-side port is answered (refused is fine)."""
-        deadline = time.monotonic() + timeout
+    def _wait_reachable(self, timeout: float = 30.0) -> None:
+        """Until a TCP connect from the node to a root-side port is answered (refused is fine).
+        One process in the namespace tries again and again (each try up to 2 s: a SYN sent before
+        the new link carries is retransmitted after 1 s), so a loaded machine does not spend the
+        time on interpreter start-ups."""
         with socket.socket() as listener:
             listener.bind((self.root_addr, 0))
-            listener.listen(1)
+            listener.listen(8)
             port = listener.getsockname()[1]
-            code = (f"import socket; socket.create_connection(('{self.root_addr}', {port}), "
-                    "timeout=1).close()")
-            while time.monotonic() < deadline:
-                if run(*self.prefix(), sys.executable, "-c", code, check=False).returncode == 0:
-                    return
-                time.sleep(0.1)
+            code = ("import socket, sys, time\n"
+                    f"end = time.monotonic() + {timeout}\n"
+                    "while time.monotonic() < end:\n"
+                    "    try:\n"
+                    f"        socket.create_connection(('{self.root_addr}', {port}), timeout=2).close()\n"
+                    "        sys.exit(0)\n"
+                    "    except OSError:\n"
+                    "        time.sleep(0.1)\n"
+                    "sys.exit(1)\n")
+            try:
+                done = subprocess.run([*self.prefix(), sys.executable, "-c", code],
+                                      capture_output=True, timeout=timeout + 30, check=False)
+            except subprocess.TimeoutExpired:
+                done = None
+            if done is not None and done.returncode == 0:
+                return
         raise RuntimeError(f"{self.ns}: {self.root_addr} not reachable within {timeout}s")
 
     def prefix(self) -> list[str]:
