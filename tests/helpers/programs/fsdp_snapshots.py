@@ -16,6 +16,7 @@ restored a step trains N steps past it (not to ``--steps``).
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ def ballast_value(local: Any, step: int, first_row: int) -> Any:
 
 
 def main() -> None:
+    faulthandler.enable()  # an abort (seen once at exit: 'terminate called') shows every thread's stack
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--steps", type=int, default=4)

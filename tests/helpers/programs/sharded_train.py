@@ -9,6 +9,7 @@ Each rank writes ``<mode>-<rank>.json`` in ``--dir``.
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import traceback
@@ -16,6 +17,7 @@ from typing import Any
 
 
 def main() -> None:
+    faulthandler.enable()  # an abort (seen once at exit: 'terminate called') shows every thread's stack
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--mode", choices=["fsdp", "take", "restore"], required=True)
