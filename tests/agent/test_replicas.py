@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import agent_nodes
 import pytest
 import torch
 
@@ -53,12 +54,7 @@ def write(area: str, step: int, local: int, rank: int, world: int, fill: float,
 
 
 def until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return agent_nodes.until(cond, timeout, what)
 
 
 def held(receiver: Receiver) -> list[str]:
