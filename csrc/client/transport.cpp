@@ -32,7 +32,11 @@ using std::chrono::milliseconds;
 
 constexpr milliseconds kBackoffStart{10};
 constexpr milliseconds kBackoffCap{1000};
-// One connect() attempt to one address waits at most this long before the next is tried.
+// One connect() attempt to one address waits at most this long before the next is tried: the
+// first kConnectAttemptFirst, each next one twice as long, up to kConnectAttemptCap. A SYN lost
+// on a lossy link is sent again by the kernel only after its 1 s retransmission timeout, which
+// would spend a whole short budget (a 1 s reconnect): a new attempt sends a new SYN sooner.
+constexpr milliseconds kConnectAttemptFirst{250};
 constexpr milliseconds kConnectAttemptCap{10'000};
 // Keepalive detects a peer that vanished without a FIN during an infinite wait.
 constexpr KeepaliveOptions kKeepalive{30, 5, 6, 0};
@@ -119,12 +123,15 @@ void ClientTransport::connect(Timeout timeout,
   const auto start = Clock::now();
   const auto deadline = deadline_after(start, timeout);
   milliseconds delay = kBackoffStart;
+  milliseconds attempt_cap = kConnectAttemptFirst;
   int attempts = 0;
   std::string last_error;
   for (;;) {
     check_not_closed();
     ++attempts;
-    if (try_connect_once(deadline, &last_error)) {
+    const bool connected = try_connect_once(deadline, attempt_cap, &last_error);
+    attempt_cap = std::min(attempt_cap * 2, kConnectAttemptCap);
+    if (connected) {
       try {
         handshake(deadline);
         connected_once_ = true;
@@ -200,7 +207,8 @@ std::shared_ptr<ResolveJob> ClientTransport::resolve(Clock::time_point deadline,
   return job;
 }
 
-bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* error) {
+bool ClientTransport::try_connect_once(Clock::time_point deadline, milliseconds attempt_cap,
+                                       std::string* error) {
   const std::shared_ptr<ResolveJob> resolved = resolve(deadline, error);
   if (!resolved) return false;
   addrinfo* res = resolved->res;
@@ -219,10 +227,10 @@ bool ClientTransport::try_connect_once(Clock::time_point deadline, std::string* 
         // The last attempt, made at the deadline, still gets a short window to complete.
         const auto now = Clock::now();
         const auto attempt_deadline =
-            std::max(std::min(deadline, now + kConnectAttemptCap), now + kLastAttemptWindow);
+            std::max(std::min(deadline, now + attempt_cap), now + kLastAttemptWindow);
         if (!wait_fd(POLLOUT, attempt_deadline, "connecting", "")) {
           // Keep a more telling earlier error (e.g. refused) over a timeout cut by the deadline.
-          if (!error->empty() && attempt_deadline < now + kConnectAttemptCap) {
+          if (!error->empty() && attempt_deadline < now + attempt_cap) {
             close_fd();
             continue;
           }

@@ -110,7 +110,8 @@ class ClientTransport {
   bool receive(std::size_t want, Clock::time_point deadline, const char* name);
 
  private:
-  bool try_connect_once(Clock::time_point deadline, std::string* error);
+  bool try_connect_once(Clock::time_point deadline, std::chrono::milliseconds attempt_cap,
+                        std::string* error);
   void check_not_closed_waiting(const char* doing, const char* what);
   [[noreturn]] void eof_while(const char* name);
   [[noreturn]] void recv_failed(const char* name, int err);

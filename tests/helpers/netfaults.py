@@ -180,6 +180,13 @@ class Node:
         self._iptables("OUTPUT", "-o", self.dev_node, "-m", "statistic", "--mode", "random",
                        "--probability", p, "-j", "DROP")
 
+    def drop_first_syn(self) -> None:
+        """Drops the next connection request (TCP SYN) the node sends, once: what a lossy link
+        does to one connect. The kernel sends it again only after its 1 s retransmission
+        timeout."""
+        self._iptables("OUTPUT", "-o", self.dev_node, "-p", "tcp", "--syn", "-m", "statistic",
+                       "--mode", "nth", "--every", "1000000", "--packet", "0", "-j", "DROP")
+
     def heal(self) -> float:
         """Removes every rule added (partition and loss) and brings the link up. Returns the
         wall time."""
