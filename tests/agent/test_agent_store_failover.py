@@ -214,32 +214,43 @@ def test_node_that_gave_its_store_up_still_tells_a_restart_the_run_is_alive(tmp_
     restarted finds the run alive there and waits for the host, instead of hosting a fresh run
     (round 1 again) beside the job. Before, its follower had become its store and was never
     restored: after a few switches no node said the run was alive. Only the restart is checked:
-    with n1 killed and n3 stopped, n2 alone holds no majority of the last round, and whether the
-    job goes on after n3 is continued is not asked here (1 worker per node; 35-90 s)."""
+    with n1 killed and the host of epoch 3 stopped, the node that gave its store up holds no
+    majority of the last round alone, and whether the job goes on after the host is continued is
+    not asked here (1 worker per node; 35-90 s)."""
     workdir, port = str(tmp_path), free_port()
+
+    def hosts(i: int, epoch: int) -> bool:
+        return f"hosts the store now, at {ADDRS[i]}:{port} (epoch {epoch})" in a.output(nodes[i])
+
     with agents(workdir) as a:
         nodes = [_one_worker(a, i, port, workdir, f"n{i + 1}") for i in range(3)]
         until(lambda: trained_since(workdir, 0, 3), 180, "3 nodes training")
-        # The first entry's node (the host) killed and restarted: n2 hosts epoch 2.
+        # The first entry's node (the host) killed and restarted: the first of n2 and n3 in the
+        # last round's rank order (the order they joined in) hosts epoch 2.
         killed_at = time.time()
         os.kill(nodes[0].pid, signal.SIGKILL)
         nodes[0].wait(30)
         nodes[0] = _one_worker(a, 0, port, workdir, "n1-back")
         until(lambda: formed_since(workdir, killed_at, 3), 90, "n1 back: world size 3")
-        # n2 (the host) stopped: n3 hosts epoch 3; n2 continued gives its store up and joins.
-        stopped = tree(nodes[1].pid)
+        gave_up = until(lambda: next((i for i in (1, 2) if hosts(i, 2)), None), 30,
+                        "the host of epoch 2")
+        host = 3 - gave_up
+        # The host of epoch 2 stopped: the other one hosts epoch 3; the stopped one, continued,
+        # gives its store up and joins.
+        stopped = tree(nodes[gave_up].pid)
         stopped_at = time.time()
         _signal_tree(stopped, signal.SIGSTOP)
         try:
-            until(lambda: formed_since(workdir, stopped_at, 2), 60, "n1, n3 training at world size 2")
+            until(lambda: formed_since(workdir, stopped_at, 2), 60, "two nodes training at world size 2")
         finally:
             _signal_tree(stopped, signal.SIGCONT)
         back_at = time.time()
-        until(lambda: formed_since(workdir, back_at, 3), 60, "n2 back as a member: world size 3")
-        assert f"to {ADDRS[2]}:{port} (epoch 3)" in a.output(nodes[1]), a.output(nodes[1])
-        # n3 (the host) silent and n1 restarted: only n2 (no longer hosting) may tell n1 that
-        # the run is alive; n3 is continued once n1 has either waited or trained.
-        silent = tree(nodes[2].pid)
+        until(lambda: formed_since(workdir, back_at, 3), 60, "the stopped node back as a member")
+        assert hosts(host, 3), a.output(nodes[host])
+        assert f"to {ADDRS[host]}:{port} (epoch 3)" in a.output(nodes[gave_up]), a.output(nodes[gave_up])
+        # The host silent and n1 restarted: only the node that gave its store up may tell n1 that
+        # the run is alive; the host is continued once n1 has either waited or trained.
+        silent = tree(nodes[host].pid)
         _signal_tree(silent, signal.SIGSTOP)
         try:
             os.kill(nodes[0].pid, signal.SIGKILL)
