@@ -93,17 +93,7 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
     reconnect = FAILOVER_RECONNECT if settings.failover else RECONNECT
     token = settings.store_token
     Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
-    # The server just answered: a connect that fails within the short reconnect budget is a lost
-    # packet on a lossy link (a SYN lost costs a 1 s retransmission), not a lost server. Tried
-    # again within the first wait (at least twice the budget).
-    deadline = time.monotonic() + max(first, 2 * reconnect).total_seconds()
-    for _ in range(1 << 16):
-        try:
-            store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)
-            break
-        except StoreNetworkError:
-            if time.monotonic() >= deadline:
-                raise
+    store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)
     return NativeBackend(store, endpoint_of(host, port), server)
 
 
