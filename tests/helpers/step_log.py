@@ -15,14 +15,18 @@ STEPS_TRAIN = program("steps_train.py")
 
 @dataclass(frozen=True)
 class Group:
-    """One worker group: the steps its ranks completed, as one interval."""
+    """One worker group: the steps its ranks completed, as one interval: from the earliest moment
+    its first step's all_reduce can have completed to the latest its last one can have. A step
+    completes for all ranks at once, after every rank entered it (its ``t0``s) and before any rank
+    noted its end (its ``t1``s): a rank stopped (SIGSTOP, no CPU) between the all_reduce and its
+    note does not stretch the interval past the step."""
 
     run: str
     attempt: int
     store: str
     world: int
-    first: float  # the earliest step's start
-    last: float  # the latest step's end
+    first: float  # the first step: its ranks' latest start
+    last: float  # the last step: its ranks' earliest end
     steps: int
     ranks: frozenset[int]
     restarts: int
@@ -48,8 +52,13 @@ def groups(directory: str) -> list[Group]:
     for (run, attempt, store), recs in found.items():
         worlds = {int(r["world"]) for r in recs}  # type: ignore[call-overload]
         assert len(worlds) == 1, (run, attempt, store, worlds)
-        out.append(Group(run, attempt, store, worlds.pop(), min(float(r["t0"]) for r in recs),  # type: ignore[arg-type]
-                         max(float(r["t1"]) for r in recs), len(recs),  # type: ignore[arg-type]
+        steps: dict[object, list[dict[str, object]]] = {}
+        for i, r in enumerate(recs):  # a record of each rank, one step; without a number: its own
+            steps.setdefault(r.get("step", ("record", i)), []).append(r)
+        windows = [(max(float(r["t0"]) for r in step), min(float(r["t1"]) for r in step))  # type: ignore[arg-type]
+                   for step in steps.values()]
+        out.append(Group(run, attempt, store, worlds.pop(), min(w[0] for w in windows),
+                         max(w[1] for w in windows), len(recs),
                          frozenset(int(r["rank"]) for r in recs),  # type: ignore[call-overload]
                          max(int(r.get("restarts", 0)) for r in recs),  # type: ignore[call-overload]
                          frozenset(str(r.get("host", "")) for r in recs),

@@ -4,8 +4,8 @@ and each completed step is recorded with the time interval it took.
 
 Records in ``--dir``: ``steps-<pid>.jsonl``, one line per completed step: the run id, the
 attempt (the round), the group's store (``MASTER_ADDR:MASTER_PORT``: one per group), the world
-size, the rank and the step's interval (``t0``: before the all_reduce, ``t1``: after it, wall
-clock), the node (``ELASTICSTORE_TEST_NODE``) and its incarnation (``STEPS_INCARNATION``: how
+size, the rank, the step's number in the group and its interval (``t0``: before the all_reduce,
+``t1``: after it, wall clock), the node (``ELASTICSTORE_TEST_NODE``) and its incarnation (``STEPS_INCARNATION``: how
 many times the test started that node before). Trains until the file ``release`` exists in ``--dir`` (a MAX all_reduce: every rank of a
 group stops at one step). With ``STEPS_TERM_DELAY`` set in its environment (the agent's), a
 worker that gets SIGTERM lingers that many seconds before it exits (a save-on-SIGTERM handler),
@@ -43,7 +43,7 @@ def main() -> None:
              "incarnation": int(os.environ.get("STEPS_INCARNATION") or 0)}
     release = os.path.join(directory, "release")
     with open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a", buffering=1) as out:
-        for _ in range(1 << 30):
+        for step in range(1 << 30):
             flag = torch.tensor([1.0 if os.path.exists(release) else 0.0])
             t0 = time.time()
             try:
@@ -52,7 +52,7 @@ def main() -> None:
                 if delay > 0:  # stuck as in a collective until the agent stops it (SIGTERM)
                     time.sleep(600)
                 raise
-            out.write(json.dumps(dict(group, t0=t0, t1=time.time())) + "\n")
+            out.write(json.dumps(dict(group, step=step, t0=t0, t1=time.time())) + "\n")
             if flag.item() > 0:
                 break
             time.sleep(0.05)
