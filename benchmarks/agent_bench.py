@@ -14,7 +14,9 @@ workers each, ``tests/helpers/programs/agent_train.py``):
   the restarts they spent. Our launchers get all three in ``--rdzv-endpoint`` (the store moves
   to a survivor); torch's c10d backend takes one endpoint, ``127.0.0.2:P`` (``is_host`` there).
 
-Peers: ``elasticstore-run`` (native rendezvous, warm start), ``torchrun-plugin`` (torch's own agent
+Peers: ``elasticstore-run`` (native rendezvous, warm start), ``elasticstore-run-fresh`` (the same
+with ``ELASTICSTORE_FORK_SERVER=fresh``: the fork server a fresh interpreter that imports torch
+itself, as before it was a copy of the launcher), ``torchrun-plugin`` (torch's own agent
 on ``--rdzv-backend=elasticstore``), ``torchrun`` (c10d rendezvous, its defaults: the rendezvous
 store shared with the workers) and ``torchrun-noshare`` (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
 Every launcher runs with its defaults (``last_call_timeout`` 30 s for all); ``--last-call S`` sets
@@ -44,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from agent_nodes import Agents, alive, assert_gone, free_port, until  # noqa: E402
 
-PEERS = ("elasticstore-run", "torchrun-plugin", "torchrun", "torchrun-noshare")
+PEERS = ("elasticstore-run", "elasticstore-run-fresh", "torchrun-plugin", "torchrun", "torchrun-noshare")
 SCENARIOS = ("cold", "worker-kill", "node-loss", "host-loss")  # all but "cold" by default
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 LIMIT = float(os.environ.get("AGENT_BENCH_LIMIT", "90"))  # seconds before "did not recover"
@@ -56,12 +58,13 @@ def _start(a: Agents, peer: str, addr: str, port: int, nnodes: str, first: bool,
            last_call: float | None, hosts: tuple[str, ...] = ADDRS[:1]) -> Any:
     """``hosts``: the endpoint list our launchers get; torch's c10d gets the first alone."""
     ours = ",".join(f"{h}:{port}" for h in hosts)
-    endpoint = ours if peer in ("elasticstore-run", "torchrun-plugin") else f"{hosts[0]}:{port}"
+    endpoint = ours if peer.startswith("elasticstore-run") or peer == "torchrun-plugin" else f"{hosts[0]}:{port}"
     common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", endpoint,
               "--rdzv-id", "bench", "--local-addr", addr, "--max-restarts", "3"]
     conf = [] if last_call is None else [f"last_call_timeout={last_call:g}"]
-    if peer == "elasticstore-run":
-        return a.start([*common, *(["--rdzv-conf", *conf] if conf else [])], name=addr)
+    if peer.startswith("elasticstore-run"):
+        fresh = {"ELASTICSTORE_FORK_SERVER": "fresh"} if peer == "elasticstore-run-fresh" else {}
+        return a.start([*common, *(["--rdzv-conf", *conf] if conf else [])], name=addr, env=fresh)
     if peer == "torchrun-plugin":
         return a.start(["--rdzv-backend", "elasticstore", *common,
                         *(["--rdzv-conf", *conf] if conf else [])], name=addr,
@@ -144,7 +147,7 @@ def _spent(a: Agents, peer: str, survivors: list[Any],
     """The restarts each survivor spent (elasticstore-run says so; torch's agent gives its
     workers its restart count, max_restarts less the restarts left: read from the workers of the
     new round, by node rank); None when they are not known (no new round)."""
-    if peer == "elasticstore-run":
+    if peer.startswith("elasticstore-run"):
         return [len(SPENT.findall(a.output(p))) for p in survivors]
     counts: dict[int, int] = {}
     for s in a.starts():

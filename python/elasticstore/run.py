@@ -20,7 +20,6 @@ key), before the banner and before anything starts. The flags themselves (spelli
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .agent.config import AgentSettings
+from .agent.forkclient import ForkServer
 from .agent.healthflags import health_settings
 from .agent.logs import parse_std
 from .agent.logspecs import build
@@ -38,7 +38,7 @@ from . import schedulers
 from .rendezvous import registry
 from .rendezvous.settings import RendezvousSettings, SettingsError, parse_endpoint
 from .runflags import UNSUPPORTED, UsageError, parser
-from .runvalues import (comma_list, int_value, log_level, nnodes_value, nproc_value,
+from .runvalues import (comma_list, fork_server_value, int_value, log_level, nnodes_value, nproc_value,
                         numa_value, rdzv_conf_value, signals_value, timeout_value,
                         virtual_local_rank)
 
@@ -62,6 +62,9 @@ class RunSettings:
     notices: tuple[str, ...]
     rendezvous: RendezvousSettings  # rdzv_conf and the flags above, parsed and checked
     log_level: int | None = None  # LOGLEVEL: the launcher's own log records shown from it
+    # ELASTICSTORE_FORK_SERVER: the warm fork server is a copy of the launcher ("forked", True)
+    # or a fresh interpreter that imports torch itself ("fresh")
+    fork_server: bool = True
 
     @property
     def backend_row(self) -> registry.Backend:
@@ -250,7 +253,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ,
             if value is not None},
     )
     return RunSettings(agent, backend, endpoint, min_nodes, max_nodes, local_addr, conf,
-                       tuple(notices), rdzv, log_level(environ))
+                       tuple(notices), rdzv, log_level(environ), fork_server_value(environ))
 
 
 def make_handler(rs: RunSettings) -> Any:
@@ -258,16 +261,55 @@ def make_handler(rs: RunSettings) -> Any:
     return rs.backend_row.create_handler(rs.rendezvous)
 
 
+class _FirstServerFirst:
+    """The agent's fork-server factory: the server forked from this process before it started
+    anything first, fresh ones after (a replacement: this process runs threads by then)."""
+
+    def __init__(self, first: ForkServer | None, learn: bool) -> None:
+        self.first, self.learn = first, learn
+
+    def __call__(self, warm: bool) -> ForkServer:
+        first, self.first = self.first, None
+        if first is not None and first.preload == warm:
+            return first
+        if first is not None:
+            first.close()
+        return ForkServer(warm, learn=self.learn)
+
+    def close(self) -> None:
+        """Closes the first server if the agent never took it."""
+        if self.first is not None:
+            self.first.close()
+            self.first = None
+
+
 def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
+    a = rs.agent
+    # First of all, while this process has imported torch and runs nothing else: the fork server
+    # is a copy of it, so a node imports torch once (forkclient.fork_refusal: when it is not).
+    servers = _FirstServerFirst(
+        ForkServer(True, learn=a.preload_imports, fork=rs.fork_server) if a.warm else None,
+        a.preload_imports)
+    try:
+        return _run(rs, prog, servers)
+    finally:
+        servers.close()
+
+
+def _run(rs: RunSettings, prog: str, servers: _FirstServerFirst) -> int:
     if rs.log_level is not None:
         _show_logs(rs.log_level, prog)
+    if servers.first is not None:
+        logging.getLogger("elasticstore.run").info(
+            "fork server: %s", "a copy of this launcher (torch imported once on this node)"
+            if servers.first.origin == "forked" else f"a fresh interpreter ({servers.first.origin[7:]})")
     for notice in rs.notices:
         print(f"[{prog}] {notice}", file=sys.stderr, flush=True)
     a = rs.agent
     print(f"[{prog}] job {a.run_id}: {rs.min_nodes}:{rs.max_nodes} node(s) x {a.nproc} worker(s), "
           f"rendezvous {rs.backend} at {rs.endpoint}, {'warm start' if a.warm else 'plain processes'}, "
           f"max restarts {a.max_restarts}; this node {a.host}", file=sys.stderr, flush=True)
-    from .agent import Agent, ForkServer
+    from .agent import Agent
 
     try:
         handler = make_handler(rs)
@@ -285,8 +327,7 @@ def run(rs: RunSettings, prog: str = "elasticstore-run") -> int:
             handler.shutdown()
             return 1
     try:
-        agent = Agent(a, handler, metrics=metrics,
-                      server_factory=functools.partial(ForkServer, learn=a.preload_imports))
+        agent = Agent(a, handler, metrics=metrics, server_factory=servers)
     except OSError as exc:  # the log directory (events.jsonl) refused or unwritable
         print(f"[{prog}] {exc}", file=sys.stderr, flush=True)
         handler.shutdown()

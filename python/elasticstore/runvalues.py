@@ -114,6 +114,19 @@ def log_level(environ: Mapping[str, str]) -> int | None:
     return level
 
 
+def fork_server_value(environ: Mapping[str, str]) -> bool:
+    """``ELASTICSTORE_FORK_SERVER``: ``forked`` (the default: the warm fork server is a copy of
+    the launcher, which imported torch already) or ``fresh`` (a new interpreter that imports
+    torch itself); True for ``forked``."""
+    text = environ.get("ELASTICSTORE_FORK_SERVER", "").strip().lower()
+    if text in ("", "forked"):
+        return True
+    if text == "fresh":
+        return False
+    raise UsageError("ELASTICSTORE_FORK_SERVER",
+                     f"{environ['ELASTICSTORE_FORK_SERVER']!r}: expected 'forked' or 'fresh'")
+
+
 def numa_value(mode: str | None, nproc: int) -> tuple[frozenset[int], ...] | None:
     """``--numa-binding``: every local rank's CPUs, placed before anything starts."""
     if mode is None:

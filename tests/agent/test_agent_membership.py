@@ -80,11 +80,12 @@ with open("/proc/self/cmdline", "rb") as f:
 
 
 def test_a_joining_node_enters_the_rendezvous_once_its_fork_server_is_warm(tmp_path: Any) -> None:
-    """Node 2 joins a job that node 1 runs alone; node 2's fork server takes 6 s longer to start
-    (a ``sitecustomize`` on its PYTHONPATH). Node 2 joins only once its fork server is warm, so
-    node 1's workers go on training meanwhile: its workers of the next round start no earlier
-    than 6 s after node 2 was started (before, node 2 joined at once and node 1's workers waited
-    in the new round for node 2's import)."""
+    """Node 2 joins a job that node 1 runs alone; node 2's fork server, a fresh interpreter
+    (``ELASTICSTORE_FORK_SERVER=fresh``: it imports torch itself, as a replacement server does),
+    takes 6 s longer to start (a ``sitecustomize`` on its PYTHONPATH). Node 2 joins only once its
+    fork server is warm, so node 1's workers go on training meanwhile: its workers of the next
+    round start no earlier than 6 s after node 2 was started (before, node 2 joined at once and
+    node 1's workers waited in the new round for node 2's import)."""
     delay = 6.0
     slow = tmp_path / "slow"
     slow.mkdir()
@@ -96,7 +97,7 @@ def test_a_joining_node_enters_the_rendezvous_once_its_fork_server_is_warm(tmp_p
         until(lambda: a.world_ready(1) is not None, 120, "node 1 running alone")
         started = time.time()
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(slow), os.environ.get("PYTHONPATH")])),
-               "TEST_FORK_SERVER_DELAY": str(delay)}
+               "TEST_FORK_SERVER_DELAY": str(delay), "ELASTICSTORE_FORK_SERVER": "fresh"}
         n2 = a.start(node_flags("127.0.0.3", port, "1:2", 1, "--max-restarts", "1"), name="n2", env=env)
         until(lambda: a.world_ready(2, started) is not None, 120, "both nodes in one round")
         att = a.world_ready(2, started)

@@ -79,7 +79,9 @@ def test_warm_workers_draw_their_own_random_numbers(tmp_path: object) -> None:
 @pytest.mark.parametrize("kind", ["script", "module"])
 def test_warm_worker_starts_like_a_fresh_interpreter(tmp_path: object, kind: str) -> None:
     """sys.path (every PYTHONPATH entry, relative ones too), sys.argv, __main__'s globals, cwd,
-    environment and the command line ps shows: as in ``python -u probe.py`` / ``-m probe``."""
+    environment, the command line ps shows, signal dispositions and the root logger: as in
+    ``python -u probe.py`` / ``-m probe``; no descriptor of the launcher's (the fork server is a
+    copy of it) beyond stdio and the pipe that reports imports to the fork server."""
     workdir = str(tmp_path)
     lib = os.path.join(workdir, "lib")
     os.makedirs(lib)
@@ -104,6 +106,35 @@ def test_warm_worker_starts_like_a_fresh_interpreter(tmp_path: object, kind: str
     assert warm["env"]["PYTHONPATH"] == pythonpath
     assert warm["cmdline"] == fresh["cmdline"] == " ".join([sys.executable, "-u", *argv])
     assert warm["parent_cmdline"].startswith("elasticstore-forkserver (agent ")
+    assert warm["signals"] == fresh["signals"]
+    assert warm["root_logger"] == fresh["root_logger"]
+    beyond_stdio = [what for fd, what in warm["fds"].items() if int(fd) > 2]
+    listing = [what for fd, what in fresh["fds"].items() if int(fd) > 2]  # os.listdir's own
+    assert len(beyond_stdio) == len(listing) + 1, warm["fds"]
+    assert sum(what.startswith("pipe:") for what in beyond_stdio) == 1, warm["fds"]
+
+
+def test_fork_server_is_a_copy_of_the_launcher_unless_its_interpreter_has_options(
+        tmp_path: object) -> None:
+    """By default the warm fork server is a copy of the launcher, which imported torch already
+    (one import of torch per node). A launcher whose interpreter has options of its own
+    (``python -X dev -m elasticstore.run``) starts a fresh interpreter instead, so that its
+    workers start without them, as torchrun's ``python -u script.py`` workers do."""
+    flags = ["--standalone", "--nproc-per-node", "1"]
+    for options in ((), ("-X", "dev")):
+        workdir = os.path.join(str(tmp_path), "dev" if options else "default")
+        os.makedirs(workdir)
+        with agents(workdir) as a:
+            out = _run(a, flags, ["--dir", workdir], script=PROBE, env={"LOGLEVEL": "INFO"},
+                       interpreter_options=options)
+            probe = _probes(workdir)[(0, 0)]
+        if options:
+            assert ("fork server: a fresh interpreter (the launcher's interpreter has options: "
+                    "-X dev ...)") in out, out
+        else:
+            assert "fork server: a copy of this launcher (torch imported once on this node)" in out, out
+        assert probe["dev_mode"] is False and probe["xoptions"] == {}, probe
+        assert probe["parent_cmdline"].startswith("elasticstore-forkserver (agent ")
 
 
 def test_warm_worker_ends_like_a_fresh_interpreter(tmp_path: object) -> None:

@@ -302,3 +302,13 @@ def test_python_exec_and_loglevel() -> None:
     assert parse(["t.py"], {}).log_level is None
     with pytest.raises(UsageError, match="^LOGLEVEL: 'LOUD'"):
         parse(["t.py"], {"LOGLEVEL": "LOUD"})
+
+
+def test_fork_server_origin_is_parsed_once() -> None:
+    """``ELASTICSTORE_FORK_SERVER``: ``forked`` (the default) or ``fresh``; anything else is a
+    usage error naming the variable."""
+    assert parse(["t.py"], {}).fork_server
+    assert parse(["t.py"], {"ELASTICSTORE_FORK_SERVER": "Forked"}).fork_server
+    assert not parse(["t.py"], {"ELASTICSTORE_FORK_SERVER": "fresh"}).fork_server
+    with pytest.raises(UsageError, match="^ELASTICSTORE_FORK_SERVER: 'copy': expected 'forked' or 'fresh'"):
+        parse(["t.py"], {"ELASTICSTORE_FORK_SERVER": "copy"})

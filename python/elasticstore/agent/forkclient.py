@@ -10,21 +10,33 @@ it reaped it.
 Before a round the agent may instead send ``{"op": "preload"}`` with one descriptor: the server
 replies on it with what it preloaded and refused since the last such request (``PreloadReport``'s
 fields as JSON, ``preload.Preloader.report``); what it has not done yet it does when idle again.
+
+Where the server comes from: a warm server is a copy of the launcher forked before the launcher
+starts anything (``ForkServer(fork=True)``: torch, already imported by the launcher, is imported
+once per node, and the first round never waits for a second import), else a fresh interpreter
+running ``forkserver.py`` (a replacement server, a launcher run inside another program, an
+interpreter with options of its own: ``fork_refusal``; ``ELASTICSTORE_FORK_SERVER=fresh``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from .logs import say
 
-__all__ = ["ForkServer", "PreloadReport", "read_status", "settle_preloads"]
+__all__ = ["ForkServer", "PreloadReport", "fork_refusal", "read_status", "settle_preloads"]
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
 
@@ -50,20 +62,30 @@ class ForkServer:
     must never preload (name -> why)."""
 
     def __init__(self, preload: bool, learn: bool = True,
-                 refused: dict[str, str] | None = None) -> None:
+                 refused: dict[str, str] | None = None, fork: bool = False) -> None:
         self.preload = preload
         self._forked = False  # whether a worker was ever asked for
         self.learn = learn and preload
         self.refused = dict(refused or {})
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
-        options = json.dumps({"learn": self.learn, "refused": self.refused})
-        self.proc = subprocess.Popen(
-            [sys.executable, SERVER_SCRIPT, mode, str(theirs.fileno()), str(os.getpid()), options],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
+        options = {"learn": self.learn, "refused": self.refused}
+        # How this server was made: "forked" (a copy of this process) or "fresh: <why not>".
+        why = (fork_refusal() if preload else "plain workers") if fork else "asked for"
+        self.origin = "forked" if why is None else f"fresh: {why}"
+        self.proc: subprocess.Popen[bytes] | _ForkedServer
+        try:
+            if self.origin == "forked":
+                self.proc = _ForkedServer(mode, theirs.fileno(), options)
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, SERVER_SCRIPT, mode, str(theirs.fileno()), str(os.getpid()),
+                     json.dumps(options)],
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                )
+        finally:
+            theirs.close()
 
     @property
     def control(self) -> socket.socket:
@@ -138,7 +160,8 @@ class ForkServer:
             mine.close()
 
     def replacement(self) -> ForkServer:
-        """A fresh server with the same settings, refusing what this one refused."""
+        """A fresh server with the same settings, refusing what this one refused (a fresh
+        interpreter: this process has threads now)."""
         return ForkServer(self.preload, self.learn, self.refused)
 
     def alive(self) -> bool:
@@ -158,6 +181,92 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def fork_refusal() -> str | None:
+    """Why this process must not be copied into a fork server (None: it may). A copy is what a
+    fresh interpreter running ``forkserver.py`` would be once it imported torch, only if this
+    process runs nothing yet (one Python thread) and its interpreter had no options of its own
+    (``-X``, ``-O``, ``-W``...: a fresh one would not have them)."""
+    if threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
+        return "the launcher runs threads already"
+    if sys.orig_argv[1:2] not in (["-m"], [sys.argv[0]]):
+        return f"the launcher's interpreter has options: {' '.join(sys.orig_argv[1:3])} ..."
+    return None
+
+
+class _ForkedServer:
+    """A fork server forked from this process (``subprocess.Popen``'s calls that ``ForkServer``
+    makes). The child never returns into the caller's code: it serves, then exits."""
+
+    def __init__(self, mode: str, ctl_fd: int, options: dict[str, Any]) -> None:
+        agent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
+            if stream is not None:
+                stream.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _serve_in_child(mode, ctl_fd, agent, options)
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(self.pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as subprocess does
+                pid, status = self.pid, 0
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                os.close(self._pidfd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            exited = select.poll()  # a pidfd is readable once the process exited
+            exited.register(self._pidfd, select.POLLIN)
+            if not exited.poll(None if timeout is None else max(0, int(timeout * 1000))):
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+        for _ in range(1000):  # the status is there at once; bounded all the same
+            if (code := self.poll()) is not None:
+                return code
+            time.sleep(0.001)
+        raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+def _serve_in_child(mode: str, ctl_fd: int, agent: int, options: dict[str, Any]) -> NoReturn:
+    """The forked copy: made to look like a fresh interpreter that ran ``forkserver.py`` (stdin
+    /dev/null, no descriptor but stdio and the control socket, the path a fresh interpreter
+    starts with), then the server; exits without returning into the launcher's code."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        keep = {0, 1, 2, ctl_fd}
+        for fd in sorted(int(name) for name in os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if not getattr(sys.flags, "safe_path", False) and sys.path:  # PYTHONSAFEPATH (3.11)
+            del sys.path[0]  # the launcher's script directory (-m: its working directory)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_elasticstore_forkserver", SERVER_SCRIPT)
+        assert spec is not None and spec.loader is not None
+        server = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = server
+        spec.loader.exec_module(server)
+        code = server.run_forked(mode, ctl_fd, agent, options)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def read_status(sock: socket.socket) -> int | None:

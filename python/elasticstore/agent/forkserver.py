@@ -1,8 +1,9 @@
 """The process that starts an agent's workers: a fork server (warm start) or a plain launcher.
 
-The agent starts it once (``forkclient.ForkServer``); it runs this file as a script (standard
-library only, so ``--plain`` never imports torch). With ``--preload`` it imports torch (never
-CUDA, never user code) and then forks each worker, which runs the script or module as
+The agent starts it once (``forkclient.ForkServer``): a copy of the launcher forked before it
+started anything, which calls ``run_forked``, or a fresh interpreter that runs this file as a
+script (standard library only, so ``--plain`` never imports torch). With ``--preload`` it has
+torch imported (never CUDA, never user code) and then forks each worker, which runs the script or module as
 ``__main__`` in the state a fresh ``python -u script.py`` (``-m mod``) starts in and ends as
 that interpreter would: a restart pays neither a new interpreter nor ``import torch``. With
 ``--plain`` it forks and ``exec``s the command (``--start-method spawn``, ``--no-python``).
@@ -338,11 +339,18 @@ _REPORT: Any = None  # importreport.py, then
 
 
 def main() -> dict[str, Any] | None:
+    """As a script (a fresh interpreter): ``forkserver.py --preload|--plain CTL_FD AGENT OPTIONS``."""
+    del sys.path[0]  # this file's directory: never on a worker's path
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    return serve_agent(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), options)
+
+
+def serve_agent(mode: str, ctl_fd: int, agent: int, options: dict[str, Any]) -> dict[str, Any] | None:
+    """Serves the agent on ``ctl_fd`` until it goes (returns None) or returns in a forked
+    worker with its job (then ``_WARM.run`` runs it). ``sys.path`` is the path a fresh
+    interpreter starts with (the workers' path is made from it)."""
     global _FRESH, _PRELOAD, _REPORT, _STANDIN, _WARM
     _FRESH, _STANDIN, _WARM = _sibling("freshstate"), _sibling("standin"), _sibling("warmrun")
-    mode, ctl_fd, agent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-    del sys.path[0]  # this file's directory: never on a worker's path
     startup_path = list(sys.path)
     # Signals to the agent's process group are the agent's to act on (serve() ignores them too).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
@@ -369,6 +377,16 @@ def main() -> dict[str, Any] | None:
         if mode == "--plain" or job["kind"] == "exec":
             _exec(job)
     return job
+
+
+def run_forked(mode: str, ctl_fd: int, agent: int, options: dict[str, Any]) -> int:
+    """In a copy of the agent forked before it started anything (``forkclient.ForkServer``
+    with ``fork=True``): serves as ``main`` does, then runs the worker's job in a worker.
+    Returns only in the server, when the agent went (the caller exits with the code)."""
+    job = serve_agent(mode, ctl_fd, agent, options)
+    if job is not None:
+        _WARM.run(job, _FRESH, _REPORT)  # never returns
+    return 0
 
 
 if __name__ == "__main__":

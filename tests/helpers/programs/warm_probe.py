@@ -2,7 +2,9 @@
 worker with a fresh ``python -u warm_probe.py`` (or ``python -u -m``) side by side.
 
 Writes ``probe-<attempt>-<rank>.json`` to ``--dir``: sys.path, sys.argv, cwd, environment,
-``__main__``'s globals, /proc cmdlines, random draws (unseeded, then seeded), what stdin gave.
+``__main__``'s globals, /proc cmdlines, random draws (unseeded, then seeded), what stdin gave,
+the open descriptors, every signal's disposition, the root logger's handlers and level, the
+interpreter's ``-X`` options.
 ``--fail-rank R``: rank R exits 1 in attempt 0 (a restart). ``--handler``: SIGTERM/SIGINT take
 about 1 s to write ``saved-<rank>``, then exit 0; the script sleeps until signalled.
 ``--breakpoint``: calls ``breakpoint()`` (the debugger reads its commands from stdin).
@@ -11,6 +13,7 @@ about 1 s to write ``saved-<rank>``, then exit 0; the script sleeps until signal
 """
 
 import json
+import logging
 import os
 import random
 import re
@@ -28,6 +31,22 @@ _GLOBALS = {k: re.sub(" at 0x[0-9a-f]+", "", repr(v)) if k not in ("__builtins__
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode().strip()
+
+
+def _fds() -> dict[str, str]:
+    """Descriptor -> what it is (the listing's own descriptor left out)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found[name] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return found
+
+
+def _signals() -> dict[str, str]:
+    return {sig.name: repr(signal.getsignal(sig)) for sig in signal.Signals
+            if sig not in (signal.SIGKILL, signal.SIGSTOP)}
 
 
 def _draws() -> dict[str, object]:
@@ -49,7 +68,9 @@ def main() -> None:
     info: dict[str, object] = {
         "pid": os.getpid(), "path": sys.path, "argv": sys.argv, "cwd": os.getcwd(),
         "env": dict(os.environ), "globals": _GLOBALS, "cmdline": _cmdline(os.getpid()),
-        "parent_cmdline": _cmdline(os.getppid()), "draws": _draws(),
+        "parent_cmdline": _cmdline(os.getppid()), "draws": _draws(), "fds": _fds(),
+        "signals": _signals(), "root_logger": [logging.root.level, repr(logging.root.handlers)],
+        "dev_mode": sys.flags.dev_mode, "xoptions": sys._xoptions,
     }
     torch.manual_seed(1234)
     numpy.random.seed(1234)
