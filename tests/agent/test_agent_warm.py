@@ -119,14 +119,16 @@ def test_fork_server_is_a_copy_of_the_launcher_unless_its_interpreter_has_option
     """By default the warm fork server is a copy of the launcher, which imported torch already
     (one import of torch per node). A launcher whose interpreter has options of its own
     (``python -X dev -m elasticstore.run``) starts a fresh interpreter instead, so that its
-    workers start without them, as torchrun's ``python -u script.py`` workers do."""
+    workers start without them, as torchrun's ``python -u script.py`` workers do. Under
+    ``nohup`` the workers start with SIGHUP ignored, as torchrun's inherit it (the rest default)."""
     flags = ["--standalone", "--nproc-per-node", "1"]
-    for options in ((), ("-X", "dev")):
-        workdir = os.path.join(str(tmp_path), "dev" if options else "default")
+    for name, options, prefix in (("default", (), ()), ("dev", ("-X", "dev"), ()),
+                                  ("nohup", (), ("nohup",))):
+        workdir = os.path.join(str(tmp_path), name)
         os.makedirs(workdir)
         with agents(workdir) as a:
             out = _run(a, flags, ["--dir", workdir], script=PROBE, env={"LOGLEVEL": "INFO"},
-                       interpreter_options=options)
+                       interpreter_options=options, prefix=prefix)
             probe = _probes(workdir)[(0, 0)]
         if options:
             assert ("fork server: a fresh interpreter (the launcher's interpreter has options: "
@@ -135,6 +137,16 @@ def test_fork_server_is_a_copy_of_the_launcher_unless_its_interpreter_has_option
             assert "fork server: a copy of this launcher (torch imported once on this node)" in out, out
         assert probe["dev_mode"] is False and probe["xoptions"] == {}, probe
         assert probe["parent_cmdline"].startswith("elasticstore-forkserver (agent ")
+        ignored = sorted(sig for sig, what in probe["signals"].items() if what == repr(signal.SIG_IGN))
+        python = ("SIGPIPE", "SIGXFSZ")  # ignored by every interpreter at its start
+        assert ignored == sorted({*python, *(["SIGHUP"] if prefix else []), *_ignored_here()}), probe
+
+
+def _ignored_here() -> list[str]:
+    """The signals this test process has ignored, which the launcher and its workers inherit
+    (SIGQUIT, when the test command ran as a shell's background job)."""
+    return [sig.name for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)
+            if signal.getsignal(sig) == signal.SIG_IGN]
 
 
 def test_warm_worker_ends_like_a_fresh_interpreter(tmp_path: object) -> None:

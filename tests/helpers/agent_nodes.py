@@ -35,11 +35,12 @@ class Agents:
     def start(self, flags: list[str], script_args: list[str] | None = None, name: str = "agent",
               env: dict[str, str] | None = None, script: str = TRAIN,
               module: str = "elasticstore.run", stdin: int | None = None,
-              interpreter_options: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+              interpreter_options: tuple[str, ...] = (),
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
         out = open(os.path.join(self.dir, f"{name}.out"), "wb")
         args = ["--dir", self.dir] if script_args is None else script_args
         proc = subprocess.Popen(
-            [sys.executable, *interpreter_options, "-m", module, *flags, script, *args],
+            [*prefix, sys.executable, *interpreter_options, "-m", module, *flags, script, *args],
             stdout=out, stderr=subprocess.STDOUT,
             stdin=stdin,
             start_new_session=True, env=dict(os.environ, **(env or {})), cwd=self.dir,

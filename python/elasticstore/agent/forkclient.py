@@ -55,6 +55,13 @@ class PreloadReport:
     env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
 
 
+# The launcher's signal dispositions as its workers would inherit them through exec ("ignore" or
+# "default"), taken when this module is first imported: before the launcher handles any itself.
+LAUNCHER_SIGNALS = {sig.name: "ignore" if signal.getsignal(sig) == signal.SIG_IGN else "default"
+                    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                                signal.SIGINT)}
+
+
 class ForkServer:
     """The agent's handle on the server process. ``preload``: warm start (fork server with torch
     imported); otherwise every worker is a fresh ``exec``. ``learn`` (warm start only): the
@@ -69,7 +76,7 @@ class ForkServer:
         self.refused = dict(refused or {})
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
-        options = {"learn": self.learn, "refused": self.refused}
+        options = {"learn": self.learn, "refused": self.refused, "signals": LAUNCHER_SIGNALS}
         # How this server was made: "forked" (a copy of this process) or "fresh: <why not>".
         why = (fork_refusal() if preload else "plain workers") if fork else "asked for"
         self.origin = "forked" if why is None else f"fresh: {why}"

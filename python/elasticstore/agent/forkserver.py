@@ -285,9 +285,8 @@ def _enter_worker(job: dict[str, Any]) -> None:
     # Only now: the agent may signal the process group as soon as it has the pid.
     os.write(job["status"], f"pid {os.getpid()}".encode())
     os.close(job["status"])
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, disposition in _STARTED_WITH.items():
+        signal.signal(sig, disposition)
     for target, fd in enumerate(job["fds"]):  # stdin (the launcher's), stdout, stderr
         if fd != target:
             os.dup2(fd, target)
@@ -336,6 +335,7 @@ _STANDIN: Any = None  # standin.py
 _WARM: Any = None  # warmrun.py
 _PRELOAD: Any = None  # preload.py, when the workers' imports are preloaded
 _REPORT: Any = None  # importreport.py, then
+_STARTED_WITH: dict[int, Any] = {}  # the signal dispositions a worker starts with
 
 
 def main() -> dict[str, Any] | None:
@@ -352,6 +352,7 @@ def serve_agent(mode: str, ctl_fd: int, agent: int, options: dict[str, Any]) -> 
     global _FRESH, _PRELOAD, _REPORT, _STANDIN, _WARM
     _FRESH, _STANDIN, _WARM = _sibling("freshstate"), _sibling("standin"), _sibling("warmrun")
     startup_path = list(sys.path)
+    _STARTED_WITH.update(_FRESH.worker_signals(options.get("signals", {})))  # before it changes
     # Signals to the agent's process group are the agent's to act on (serve() ignores them too).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, lambda *_: None)

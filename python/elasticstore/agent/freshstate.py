@@ -1,6 +1,6 @@
 """What makes a worker forked from the fork server look like a fresh ``python -u script.py``:
-its ``sys.path``, its random seeds, its process title, and its end (exit code, threads joined,
-atexit handlers, stdio flushed).
+its ``sys.path``, its random seeds, its signal dispositions, its process title, and its end (exit
+code, threads joined, atexit handlers, stdio flushed).
 
 Standard library only: the fork server (run as a script) loads this file by its path.
 """
@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ["exit_code", "finalize", "fresh_path", "reseed", "set_title"]
+__all__ = ["exit_code", "finalize", "fresh_path", "reseed", "set_title", "worker_signals"]
 
 
 def exit_code(exc: SystemExit) -> int:
@@ -51,6 +51,22 @@ def finalize(code: int) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
     os._exit(code & 0xFF)
+
+
+def worker_signals(launcher: dict[str, str]) -> dict[int, Any]:
+    """The dispositions a worker starts with, as a torchrun worker inherits them from the
+    launcher through ``exec``: ignored where the launcher started with the signal ignored (SIGHUP
+    under nohup; SIGINT and SIGQUIT in a shell's background job), else the default (SIGINT:
+    ``KeyboardInterrupt``, as the interpreter sets it). ``launcher``: signal name -> ``ignore``
+    or ``default`` (``forkclient.LAUNCHER_SIGNALS``); a signal it does not name: as this process
+    has it now."""
+    found: dict[int, Any] = {}
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT):
+        given = launcher.get(sig.name)
+        ignored = given == "ignore" if given is not None else signal.getsignal(sig) == signal.SIG_IGN
+        found[sig] = (signal.SIG_IGN if ignored else signal.default_int_handler
+                      if sig == signal.SIGINT else signal.SIG_DFL)
+    return found
 
 
 def reseed(torch: Any) -> None:
