@@ -23,6 +23,11 @@ def trainer(scale: int, tag: str, marker: str = "") -> dict[str, object]:
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     if tag == "fail" and dist.get_rank() == 1:
+        # Its group destroyed first (a local call): a fresh interpreter that ends with gloo's
+        # threads alive may abort in its teardown (exit -6, "terminate called without an active
+        # exception"), as torch's own launcher's worker did in one run; a warm worker ends without
+        # that teardown (docs/agent.md, warm start), so the exit codes would differ by chance.
+        dist.destroy_process_group()
         raise ValueError("rank 1 fails on purpose")
     if tag == "flaky" and dist.get_rank() == 1 and not os.path.exists(marker):
         open(marker, "w").close()
