@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -204,7 +203,8 @@ def fork_refusal() -> str | None:
 
 class _ForkedServer:
     """A fork server forked from this process (``subprocess.Popen``'s calls that ``ForkServer``
-    makes). The child never returns into the caller's code: it serves, then exits."""
+    makes, as Popen makes them: ``waitpid``, so no pidfd and any Linux kernel). The child never
+    returns into the caller's code: it serves, then exits."""
 
     def __init__(self, mode: str, ctl_fd: int, options: dict[str, Any]) -> None:
         agent = os.getpid()
@@ -215,7 +215,6 @@ class _ForkedServer:
         if self.pid == 0:
             _serve_in_child(mode, ctl_fd, agent, options)
         self.returncode: int | None = None
-        self._pidfd = os.pidfd_open(self.pid)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -225,25 +224,23 @@ class _ForkedServer:
                 pid, status = self.pid, 0
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-                os.close(self._pidfd)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            exited = select.poll()  # a pidfd is readable once the process exited
-            exited.register(self._pidfd, select.POLLIN)
-            if not exited.poll(None if timeout is None else max(0, int(timeout * 1000))):
+        """As ``Popen.wait``: polls, with sleeps growing to 50 ms, until ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
-        for _ in range(1000):  # the status is there at once; bounded all the same
-            if (code := self.poll()) is not None:
-                return code
-            time.sleep(0.001)
-        raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout or 0.0)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return code
 
     def kill(self) -> None:
-        if self.returncode is None:
+        if self.returncode is None:  # not reaped yet: the pid is still this child's
             with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
 
 def _serve_in_child(mode: str, ctl_fd: int, agent: int, options: dict[str, Any]) -> NoReturn:
