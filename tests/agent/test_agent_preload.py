@@ -14,7 +14,7 @@ from importlib.machinery import PathFinder
 from typing import Any
 
 import pytest
-from agent_nodes import agents
+from agent_nodes import agents, free_port
 from paths import ROOT, program
 
 import torch
@@ -249,3 +249,30 @@ def test_fork_server_modules_stay_small_and_standard_library_only() -> None:
         imports = [ln for ln in text.splitlines() if ln.startswith(("import ", "from "))]
         assert not [ln for ln in imports if ln.startswith("from .") or "elasticstore" in ln
                     or "torch" in ln], (name, imports)
+
+
+DYNAMO_PROBE = """import json, os, sys
+with open(os.path.join(sys.argv[1], os.environ["NODE_NAME"] + ".json"), "w") as f:
+    json.dump({"dynamo_at_start": "torch._dynamo" in sys.modules}, f)
+"""
+
+
+@pytest.mark.slow
+def test_a_node_whose_first_round_is_far_has_dynamo_preloaded_for_its_first_workers(
+        tmp_path: object) -> None:
+    """The fork server imports ``torch._dynamo`` (which any ``torch.optim`` optimizer imports)
+    3 s after its start if it has forked nothing by then: a node whose first round is far (a
+    standby, nodes still meeting; here a last call of 10 s) starts its first workers with it.
+    (Before, it waited for the first fork: a standby's first workers paid that import.)"""
+    workdir = str(tmp_path)
+    script = os.path.join(workdir, "dynamo_probe.py")
+    with open(script, "w") as f:
+        f.write(DYNAMO_PROBE)
+    with agents(workdir) as a:
+        far = a.start(["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                       f"127.0.0.2:{free_port()}", "--rdzv-id", "far", "--rdzv-conf",
+                       "last_call_timeout=10"], [workdir], name="far", script=script,
+                      env={"NODE_NAME": "far"})
+        assert a.wait(far, 120) == 0, a.output(far)
+    with open(os.path.join(workdir, "far.json")) as f:
+        assert json.load(f) == {"dynamo_at_start": True}

@@ -2,9 +2,9 @@
 
 The agent starts it once (``forkclient.ForkServer``): a copy of the launcher forked before it
 started anything, which calls ``run_forked``, or a fresh interpreter that runs this file as a
-script (standard library only, so ``--plain`` never imports torch). With ``--preload`` it has
-torch imported (never CUDA, never user code) and then forks each worker, which runs the script or module as
-``__main__`` in the state a fresh ``python -u script.py`` (``-m mod``) starts in and ends as
+script (standard library only, so ``--plain`` never imports torch). With ``--preload`` it has torch
+imported (never CUDA, never user code) and then forks each worker, which runs the script or module
+as ``__main__`` in the state a fresh ``python -u script.py`` (``-m mod``) starts in and ends as
 that interpreter would: a restart pays neither a new interpreter nor ``import torch``. With
 ``--plain`` it forks and ``exec``s the command (``--start-method spawn``, ``--no-python``).
 
@@ -45,10 +45,12 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # Imported by the fork server before its first fork, so that no worker pays for them again.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
-# Imported once the first workers are forked and the server has been idle IDLE_PRELOAD_S (the
-# first round does not wait): torch._dynamo, which every torch.optim optimizer imports (1.4-3 s).
+# Imported once the server has forked and been idle IDLE_PRELOAD_S, or UNFORKED_PRELOAD_S after
+# its start without a fork (a standby node), while a stand-in forks (standin.py): no round waits.
+# torch._dynamo: every torch.optim optimizer imports it (1.4-3 s).
 DEFERRED_PRELOAD = ("torch._dynamo",)
 IDLE_PRELOAD_S = 0.5
+UNFORKED_PRELOAD_S = 3.0
 _MAX_MSG = 1 << 20
 
 
@@ -72,7 +74,7 @@ class _Server:
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.learner = learner  # workers report their imports to it (preload.py)
-        self.forked, self.idle = False, False  # idle: in idle work (imports)
+        self.forked, self.idle, self.started = False, False, time.monotonic()  # idle: importing
         self.notes = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # standin.py
         self.notes[0].setblocking(False)
         self.stand_in: Any = None  # serves the agent while this process imports
@@ -89,8 +91,7 @@ class _Server:
             self.sel.register(learner.pipe_r, selectors.EVENT_READ)
         while True:
             idle_work = self.deferred or (learner is not None and learner.pending)
-            # Idle work waits for the first fork: the first round never waits for it.
-            ready = self.sel.select(IDLE_PRELOAD_S if idle_work and self.forked else None)
+            ready = self.sel.select(self._idle_wait() if idle_work else None)
             job = None if ready else self._idle_work()
             if job is not None:
                 return job
@@ -129,6 +130,11 @@ class _Server:
                 job = self._fork(request, fds)
                 if job is not None:
                     return job
+
+    def _idle_wait(self) -> float:
+        """Before the first fork, a node whose round is near keeps its CPUs a while longer."""
+        since = 0.0 if self.forked else self.started + UNFORKED_PRELOAD_S - time.monotonic()
+        return max(IDLE_PRELOAD_S, since)
 
     def _idle_work(self) -> dict[str, Any] | None:
         """Imports (the deferred preload, or what the workers reported) while a stand-in forked
@@ -184,10 +190,8 @@ class _Server:
         unsafe = self.learner.unsafe() if self.learner is not None else None
         if unsafe is not None:
             # Forking a process with threads is unsafe: the agent starts a fresh fork server.
-            try:
+            with contextlib.suppress(OSError):
                 status.send(f"refused: not safe to fork ({unsafe})".encode())
-            except OSError:
-                pass
             status.close()
             for fd in fds[1:]:
                 os.close(fd)
