@@ -29,7 +29,7 @@ from rdzv_nodes import READY_WITHIN, Agent, Agents
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeoutError
 
 import elasticstore
-from elasticstore.rendezvous.failover import FAILOVER_WAIT, HostRecord
+from elasticstore.rendezvous.failover import FAILOVER_WAIT, HostRecord, find_standing
 from elasticstore.rendezvous.handler import ElasticRendezvousHandler
 from elasticstore.rendezvous.registry import backend as backend_row
 from elasticstore.rendezvous.state import Keys, RoundState
@@ -407,3 +407,39 @@ def test_a_node_named_in_no_round_follows_the_store_through_its_endpoint_list() 
         assert moves(d) == [(g.endpoint(1), 2)]
         assert d.round == RoundState(3, (b.node_id, c.node_id, d.node_id))
         assert d._backend.server is None
+
+
+def test_a_node_back_from_a_stop_joins_the_newer_round_not_a_store_of_its_own() -> None:
+    """Three nodes, A hosting. B goes silent (its heartbeat stops, as when it is SIGSTOPped): A
+    and C form round 2 without it. B then takes A for lost (as a node back from a stop does when
+    a call's deadline passed meanwhile). First candidate of round 1, the last it knew, it would
+    serve epoch 2 seeded with round 1; but A's store holds round 2, newer though of an older
+    epoch: B joins it, and the three form round 3. Stores are ordered by their round, then their
+    epoch (``failover.find_standing``): by epoch alone, A would give its round 2 up for a stale
+    store of B's seeded with round 1, whose next round would be 2 again (seen in the nemesis:
+    the job's rounds went backwards)."""
+    with group(3, 3, lease_ttl=2, last_call_timeout=1) as g:
+        a, b, c = g.handlers
+        g.round(0, 1, 2)
+        assert b._heartbeat is not None
+        b._heartbeat.stop()  # B silent: its liveness key lapses
+        g.start(0, 2, join=next_round).wait(40)
+        assert a.round is not None and c.round is not None
+        assert (a.round.round, c.round.round, len(a.round.participants)) == (2, 2, 2)
+        # A, hosting round 2 at epoch 1, keeps its store for a newer epoch seeded from round 1,
+        # and gives it up for one at round 2 (the others moved on from its last round).
+        other = HostRecord(2, b.node_id, g.endpoint(1))
+        assert (a._outranked(other, 1), a._outranked(other, 2)) == (False, True)
+        b._saw_loss(elasticstore.StoreNetworkError("no reply within 6 s (the node was stopped)"))
+        joins = g.start(1)  # B joins: A's store, never one of its own
+        waiting = g.start(0, 2, join=next_round)
+        results = {**joins.wait(FAILOVER_WAIT + 40), **waiting.wait(FAILOVER_WAIT + 40)}
+        errors = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+        assert not errors, errors
+        assert [h.round.round if h.round else None for h in (a, b, c)] == [3, 3, 3]
+        assert moves(a) == [] and moves(c) == []  # A kept its store; C never left it
+        assert moves(b) == [], moves(b)  # the store never moved
+        # B served no store of the run (its follower's copy there holds no host record)
+        assert find_standing([(g.addrs[1], g.port)], KEYS, None) is None
+        with g.store(0) as st:
+            assert round_record(st).round == 3

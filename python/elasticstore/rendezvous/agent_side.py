@@ -17,7 +17,7 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
-from .failover import Carried, HostRecord, find_host
+from .failover import Carried, HostRecord, find_standing
 from .follower import Follower, own_follower
 from .hostprobe import HostProbe, NewerHostWatch, silent_after
 from .settings import RendezvousSettings, parse_endpoint
@@ -170,24 +170,31 @@ class AgentSide:
 
     def _fence(self) -> None:
         """Called by a decider on this node right before it writes a round record: on a store
-        this node hosts, among several endpoints, no other endpoint may serve the run at a
-        newer epoch. One does when this node was stopped or cut off while the others moved on;
-        a round written here would repeat the number the newer store forms next (its seed is
-        this store's last round). Gives this store up for the newer one (``_yield_to``) and
-        raises ``RendezvousConnectionError`` then; costs one short probe per other endpoint."""
+        this node hosts, among several endpoints, no other endpoint may serve a newer store of
+        the run (``failover.py``: a newer round, or the same round at a newer epoch). One does
+        when this node was stopped or cut off while the others moved on; a round written here
+        would repeat the number the newer store forms next (its seed is this store's last
+        round). Gives this store up for the newer one (``_yield_to``) and raises
+        ``RendezvousConnectionError`` then; costs one short probe per other endpoint."""
         b, s = self._backend, self._settings
         if not self._fails_over or b.server is None or len(s.endpoints) < 2:
             return
         mine = HostRecord.from_json(b.store.try_get(self._keys.host))
         host, port = parse_endpoint(b.endpoint)
         others = s.endpoints_but(host, port)
-        found = find_host(others, self._keys, s.store_token)
-        if found is None or found.epoch <= (mine.epoch if mine is not None else 1):
+        found = find_standing(others, self._keys, s.store_token)
+        if found is None or found.rank <= (self._store_round(), mine.epoch if mine else 1):
             return
-        self._yield_to(found)
+        self._yield_to(found.record)
         raise RendezvousConnectionError(
-            f"rendezvous {s.run_id!r}: {found.endpoint} serves the run's store at epoch "
-            f"{found.epoch}, newer than this node's: no round is formed here")
+            f"rendezvous {s.run_id!r}: {found.record.endpoint} serves a newer store of the run "
+            f"(round {found.round}, epoch {found.record.epoch}): no round is formed here")
+
+    def _store_round(self) -> int:
+        """The number of the round record on this node's store (0: none)."""
+        data = self._backend.store.try_get(self._keys.round)
+        state = RoundState.from_json(data) if data is not None else None
+        return state.round if state is not None else 0
 
     def _close_without_quorum(self, late: BaseException) -> None:
         """The first round on a store this node took over did not form within ``join_timeout``
@@ -216,25 +223,30 @@ class AgentSide:
 
     def _outranked(self, other: HostRecord, other_round: int) -> bool:
         """Whether this node's store must give way to ``other`` (served, at round
-        ``other_round``): a newer epoch always (a majority moved on: this store can form no
-        round); the same epoch (two hosts of one epoch: a candidate passed over that served
-        late) only while no round formed here since the switch, to a store that formed one, or
-        else to the earlier candidate's."""
+        ``other_round``). Another epoch: when its store is newer (``failover.py``: a newer
+        round, or the same round at a newer epoch: a majority moved on), not when it was
+        seeded from an older round than this store formed since (a node that took this host
+        for lost while it was stopped or cut off). The same epoch (two hosts of one epoch: a
+        candidate passed over that served late): only while no round formed here since the
+        switch, to a store that formed one, or else to the earlier candidate's."""
         mine = self._carried.host
         epoch = mine.epoch if mine is not None else 1
-        if other.node == self._node or other.epoch < epoch:
+        if other.node == self._node:
             return False
-        if other.epoch > epoch:
-            return True
+        if other.epoch != epoch:
+            try:
+                here = self._store_round()
+            except Exception:
+                return False  # this store does not answer: its loss is noticed elsewhere
+            return (other_round, other.epoch) > (here, epoch)
         seeded = self._seeded_round
         if seeded is None:  # the first host (epoch 1): no second host of its epoch exists
             return False
         try:
-            data = self._backend.store.try_get(self._keys.round)
+            here = self._store_round()
         except Exception:
             return False
-        state = RoundState.from_json(data) if data is not None else None
-        if state is not None and state.round > seeded:
+        if here > seeded:
             return False  # a round formed here: this store holds the majority
         if other_round > seeded:
             return True

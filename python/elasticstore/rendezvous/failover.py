@@ -10,6 +10,14 @@ with that state, and publishes a new :class:`HostRecord` (epoch + 1) last; the o
 server only once it shows that record. A node tries each candidate for ``FAILOVER_WAIT`` seconds
 before the next one, so a candidate that died during the switch is passed over.
 
+Which store is newest: the one whose round record is newest, then the one of the higher epoch
+(:func:`find_standing`, ``AgentSide._outranked``). An epoch alone does not order two stores: a
+node that was stopped or cut off, and took the host for lost, serves the next epoch seeded with
+the round it knew, while the host it left (with the others) may have formed rounds since; the
+epoch-only order had that host give its newer rounds up for the stale store, whose next round
+repeated their numbers. A node carrying a newer round than a store holds never joins it: it
+serves a later epoch itself, seeded with its round, and the stale host gives way to it.
+
 Split brain: a new host forms its first round only with a strict majority of the last round's
 participants (:class:`FailoverRecord` ``quorum``), and any round on an agent-hosted store keeps
 at least half of the previous round's participants (``fence_quorum``): two sides of a partition
@@ -37,8 +45,9 @@ from .records import RecordError, int_field, number_field, parse_record, str_fie
 from .settings import parse_endpoint
 from .state import Keys, NodeId, RoundState
 
-__all__ = ["FAILOVER_WAIT", "PROBE", "Carried", "FailoverRecord", "HostRecord", "candidates",
-           "endpoint_of", "fence_quorum", "find_host", "majority", "seed"]
+__all__ = ["FAILOVER_WAIT", "PROBE", "Carried", "FailoverRecord", "HostRecord", "Standing",
+           "candidates", "endpoint_of", "fence_quorum", "find_host", "find_standing", "majority",
+           "seed", "store_standing"]
 
 log = logging.getLogger(__name__)
 
@@ -220,22 +229,55 @@ def await_host(store: Store, keys: Keys, node: str, epoch: int, deadline: float)
     return None
 
 
+@dataclass(frozen=True)
+class Standing:
+    """A store of the run as a probe found it: its host record and the number of the round its
+    round record holds (0: none yet)."""
+
+    record: HostRecord
+    round: int
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Newer rounds first, then newer epochs (see the module)."""
+        return self.round, self.record.epoch
+
+
+def store_standing(host: str, port: int, keys: Keys, token: str | None,
+                   probe: float = PROBE) -> Standing | None:
+    """The run's store served at ``host:port`` (one short probe), or None: none answers there,
+    or it holds no host record (a follower's copy, another run's store)."""
+    wait = timedelta(seconds=probe)
+    try:  # one plain connect first: nothing listening is refused at once, with no retries
+        socket.create_connection((host, port), timeout=probe).close()
+    except OSError:
+        return None
+    try:
+        with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
+            record = read_host(st, keys)
+            data = st.try_get(keys.round) if record is not None else None
+    except (StoreNetworkError, StoreTimeoutError, StoreError):
+        return None
+    if record is None:
+        return None
+    state = RoundState.from_json(data) if data is not None else None
+    return Standing(record, state.round if state is not None else 0)
+
+
+def find_standing(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
+                  probe: float = PROBE) -> Standing | None:
+    """The newest store (``Standing.rank``) among those that answer at ``endpoints``, or None."""
+    best: Standing | None = None
+    for host, port in endpoints:
+        found = store_standing(host, port, keys, token, probe)
+        if found is not None and (best is None or found.rank > best.rank):
+            best = found
+    return best
+
+
 def find_host(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
               probe: float = PROBE) -> HostRecord | None:
-    """The newest host record among the stores that answer at ``endpoints`` (one short probe
-    each), or None: where a node that starts (or comes back) finds a store that moved."""
-    best: HostRecord | None = None
-    wait = timedelta(seconds=probe)
-    for host, port in endpoints:
-        try:  # one plain connect first: nothing listening is refused at once, with no retries
-            socket.create_connection((host, port), timeout=probe).close()
-        except OSError:
-            continue
-        try:
-            with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
-                record = read_host(st, keys)
-        except (StoreNetworkError, StoreTimeoutError, StoreError):
-            continue
-        if record is not None and (best is None or record.epoch > best.epoch):
-            best = record
-    return best
+    """The host record of the newest store among those at ``endpoints`` (``find_standing``):
+    where a node that starts (or comes back) finds a store that moved."""
+    found = find_standing(endpoints, keys, token, probe)
+    return found.record if found is not None else None

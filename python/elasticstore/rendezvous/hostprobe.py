@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
+from ..errors import StoreError, StoreNetworkError
 from ..stores.native.store import Store
-from .failover import PROBE, HostRecord
-from .state import Keys, RoundState
+from .failover import HostRecord, store_standing
+from .state import Keys
 
 __all__ = ["HOST_SILENT", "PROBE_PERIOD", "YIELD_PERIOD", "HostProbe", "NewerHostWatch", "silent_after"]
 
@@ -86,27 +86,11 @@ class HostProbe:
             self._thread.join(2.0)
 
 
-def standing(host: str, port: int, keys: Keys, token: str | None) -> tuple[HostRecord, int] | None:
-    """The host record and round number of the store served at ``host:port`` (None: no store
-    of the run serves there; a follower holds no host record)."""
-    wait = timedelta(seconds=PROBE)
-    try:
-        with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:
-            record = HostRecord.from_json(st.try_get(keys.host))
-            data = st.try_get(keys.round) if record is not None else None
-    except (StoreNetworkError, StoreTimeoutError, StoreError):
-        return None
-    if record is None:
-        return None
-    state = RoundState.from_json(data) if data is not None else None
-    return record, state.round if state is not None else 0
-
-
 class NewerHostWatch:
     """On the node that hosts the store: every ``YIELD_PERIOD`` s, the stores served at the other
     endpoints; ``on_found(record)`` once when ``outranked(record, its round)`` says this node's
-    store must give way (``failover.py``: a host of an older epoch cut off and back, or a
-    second host of one epoch). Calls at most one probe per endpoint per period."""
+    store must give way (``failover.py``: a host cut off and back whose store the others left, a
+    stale store that the others' newer rounds outrank, or a second host of one epoch). Calls at most one probe per endpoint per period."""
 
     def __init__(self, endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
                  outranked: Callable[[HostRecord, int], bool],
@@ -123,9 +107,10 @@ class NewerHostWatch:
                 if self._stop.wait(YIELD_PERIOD):
                     return
                 for host, port in self._endpoints:
-                    found = standing(host, port, self._keys, self._token)
-                    if found is not None and not self._stop.is_set() and self._outranked(*found):
-                        self._on_found(found[0])
+                    found = store_standing(host, port, self._keys, self._token)
+                    if found is not None and not self._stop.is_set() \
+                            and self._outranked(found.record, found.round):
+                        self._on_found(found.record)
                         return
         except Exception as exc:  # never kills the process; a bug is logged
             if not self._stop.is_set():

@@ -21,7 +21,7 @@ from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .executor import Heartbeat
 from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
-                       find_host, read_host, seed)
+                       find_host, find_standing, read_host, seed)
 from .failover import Carried
 from .follower import Follower
 from .hostprobe import HostProbe, NewerHostWatch
@@ -102,7 +102,11 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
         backend.store.set(h._keys.failure, failure)
         carried.read_failure = failure
     record = read_host(backend.store, h._keys)
-    if record is not None:
+    if record is not None and record == old:  # taken for lost, but the others went on there
+        log.warning("rendezvous %s: the store's host %s was not lost: it still serves epoch %d, "
+                    "with a newer round than this node's", settings.run_id, record.endpoint,
+                    record.epoch)
+    elif record is not None:
         carried.host = record
         h._moves.append(record)
         log.warning("rendezvous %s: the store moved from %s to %s (epoch %d)", settings.run_id,
@@ -209,11 +213,20 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
     serves the run with this epoch or a newer one already, this node joins it instead."""
     s = h._settings
     others = s.endpoints_but(h._addr, port)
-    found = find_host(others, h._keys, s.store_token)
-    if found is not None and found.epoch >= epoch:
-        log.warning("rendezvous %s: %s serves the store already (epoch %d): joining it",
-                    s.run_id, found.endpoint, found.epoch)
-        return connect_native_backend(s, *found.address, first_wait=FAILOVER_WAIT)
+    found = find_standing(others, h._keys, s.store_token)
+    carried = h._carried.round.round if h._carried.round is not None else 0
+    if found is not None and found.rank >= (carried, epoch):
+        log.warning("rendezvous %s: %s serves the store already (round %d, epoch %d): joining it",
+                    s.run_id, found.record.endpoint, found.round, found.record.epoch)
+        return connect_native_backend(s, *found.record.address, first_wait=FAILOVER_WAIT)
+    if found is not None and found.record.epoch >= epoch:
+        # Seeded from an older round than this node took part in (its host took ours for lost
+        # while it was stopped or cut off): never joined (its next round would repeat a number
+        # and forget this node's rounds). This node serves a later epoch; that host gives way.
+        log.warning("rendezvous %s: %s serves a stale store (round %d, epoch %d; this node was "
+                    "in round %d): serving epoch %d instead", s.run_id, found.record.endpoint,
+                    found.round, found.record.epoch, carried, found.record.epoch + 1)
+        epoch = found.record.epoch + 1
     follower, h._follower = h._follower, None
     try:
         if follower is not None and follower.server.address == endpoint_of(h._addr, port):
