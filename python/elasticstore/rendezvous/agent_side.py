@@ -233,18 +233,14 @@ class AgentSide:
         epoch = mine.epoch if mine is not None else 1
         if other.node == self._node:
             return False
-        if other.epoch != epoch:
-            try:
-                here = self._store_round()
-            except Exception:
-                return False  # this store does not answer: its loss is noticed elsewhere
-            return (other_round, other.epoch) > (here, epoch)
-        seeded = self._seeded_round
-        if seeded is None:  # the first host (epoch 1): no second host of its epoch exists
-            return False
         try:
             here = self._store_round()
         except Exception:
+            return False  # this store does not answer: its loss is noticed elsewhere
+        if other.epoch != epoch:
+            return (other_round, other.epoch) > (here, epoch)
+        seeded = self._seeded_round
+        if seeded is None:  # the first host (epoch 1): no second host of its epoch exists
             return False
         if here > seeded:
             return False  # a round formed here: this store holds the majority

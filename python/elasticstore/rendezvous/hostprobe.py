@@ -90,7 +90,8 @@ class NewerHostWatch:
     """On the node that hosts the store: every ``YIELD_PERIOD`` s, the stores served at the other
     endpoints; ``on_found(record)`` once when ``outranked(record, its round)`` says this node's
     store must give way (``failover.py``: a host cut off and back whose store the others left, a
-    stale store that the others' newer rounds outrank, or a second host of one epoch). Calls at most one probe per endpoint per period."""
+    stale store that the others' newer rounds outrank, or a second host of one epoch). Calls at
+    most one probe per endpoint per period."""
 
     def __init__(self, endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
                  outranked: Callable[[HostRecord, int], bool],

@@ -210,7 +210,8 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
     """This node is the candidate: a server on its own address at the store's port (its
     follower's, already listening, when it has one), seeded with the carried state; None when
     it cannot serve (the port is taken). Never a second host of one epoch: when another endpoint
-    serves the run with this epoch or a newer one already, this node joins it instead."""
+    serves a store at least as new as this one would be (the carried round, ``epoch``; the order
+    of ``failover.py``), this node joins it instead; a stale one it outranks by epoch too."""
     s = h._settings
     others = s.endpoints_but(h._addr, port)
     found = find_standing(others, h._keys, s.store_token)
