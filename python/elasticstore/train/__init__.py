@@ -8,39 +8,63 @@ state every step into the agent's shared memory and writes the disk checkpoints 
 background; its ``restore`` resumes from the newest step any node holds. ``heartbeat()`` (once
 per step) and ``section()`` let the agent tell a hang from a long step. Nothing here imports the
 agent or the rendezvous: it runs unchanged under ``torchrun``. See ``docs/training.md``.
+
+The names load on first use: the agent reads ``heartbeat_layout`` (and the replica service parts
+of ``snapshots``) without paying for ``torch.distributed.checkpoint``, which the snapshots' disk
+writer imports (about 1 s).
 """
 
 from __future__ import annotations
 
-from .checkpoint import (
-    Checkpoint,
-    CheckpointConflictError,
-    list_checkpoints,
-    load_checkpoint,
-    load_checkpoint_from_any_rank,
-    save_checkpoint,
-)
-from .heartbeats import heartbeat, section
-from .sampler import ElasticDistributedSampler
-from .sharded import ShardedStateError
-from .snapshots import (KEEP_PER_RANK, Restored, SnapshotMismatchError, SnapshotSettings,
-                        SnapshotSpaceError, Snapshots)
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointConflictError",
-    "ElasticDistributedSampler",
-    "KEEP_PER_RANK",
-    "Restored",
-    "ShardedStateError",
-    "SnapshotMismatchError",
-    "SnapshotSettings",
-    "SnapshotSpaceError",
-    "Snapshots",
-    "heartbeat",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_checkpoint_from_any_rank",
-    "save_checkpoint",
-    "section",
-]
+if TYPE_CHECKING:
+    from .checkpoint import (
+        Checkpoint,
+        CheckpointConflictError,
+        list_checkpoints,
+        load_checkpoint,
+        load_checkpoint_from_any_rank,
+        save_checkpoint,
+    )
+    from .heartbeats import heartbeat, section
+    from .sampler import ElasticDistributedSampler
+    from .sharded import ShardedStateError
+    from .snapshots import (KEEP_PER_RANK, Restored, SnapshotMismatchError, SnapshotSettings,
+                            SnapshotSpaceError, Snapshots)
+
+# Each public name and the submodule that defines it.
+_SOURCES = {
+    "Checkpoint": ".checkpoint",
+    "CheckpointConflictError": ".checkpoint",
+    "list_checkpoints": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+    "load_checkpoint_from_any_rank": ".checkpoint",
+    "save_checkpoint": ".checkpoint",
+    "heartbeat": ".heartbeats",
+    "section": ".heartbeats",
+    "ElasticDistributedSampler": ".sampler",
+    "ShardedStateError": ".sharded",
+    "KEEP_PER_RANK": ".snapshots",
+    "Restored": ".snapshots",
+    "SnapshotMismatchError": ".snapshots",
+    "SnapshotSettings": ".snapshots",
+    "SnapshotSpaceError": ".snapshots",
+    "Snapshots": ".snapshots",
+}
+
+__all__ = sorted(_SOURCES, key=str.lower)
+
+
+def __getattr__(name: str) -> object:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SOURCES))

@@ -4,13 +4,45 @@
 whose state a snapshot holds (step, rank, world size, replicated or per-rank); ``writer.py`` taking
 snapshots (``Snapshots``); ``disk.py`` the background disk checkpoints; ``restore.py`` the newest
 step every rank can get, and only its own; ``errors.py`` what they raise.
+
+The names load on first use: the replica service reads ``hold`` and ``peek`` without importing
+the writer, whose disk checkpoints import ``torch.distributed.checkpoint`` (about 1 s).
 """
 
 from __future__ import annotations
 
-from .errors import ShardedStateError, SnapshotMismatchError, SnapshotSpaceError
-from .restore import Restored
-from .writer import KEEP_PER_RANK, SNAPSHOT_DIR_ENV, SnapshotSettings, Snapshots
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .errors import ShardedStateError, SnapshotMismatchError, SnapshotSpaceError
+    from .restore import Restored
+    from .writer import KEEP_PER_RANK, SNAPSHOT_DIR_ENV, SnapshotSettings, Snapshots
+
+# Each public name and the submodule that defines it.
+_SOURCES = {
+    "ShardedStateError": ".errors",
+    "SnapshotMismatchError": ".errors",
+    "SnapshotSpaceError": ".errors",
+    "Restored": ".restore",
+    "KEEP_PER_RANK": ".writer",
+    "SNAPSHOT_DIR_ENV": ".writer",
+    "SnapshotSettings": ".writer",
+    "Snapshots": ".writer",
+}
 
 __all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "Restored", "ShardedStateError",
            "SnapshotMismatchError", "SnapshotSettings", "SnapshotSpaceError", "Snapshots"]
+
+
+def __getattr__(name: str) -> object:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SOURCES))
