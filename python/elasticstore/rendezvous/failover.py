@@ -59,6 +59,17 @@ def endpoint_of(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
+def listening(host: str, port: int, probe: float = PROBE) -> bool:
+    """Whether anything accepts a connection at ``host:port``: one plain connect, so nothing
+    listening is refused at once (a store client retries a refused connect for its whole
+    connect timeout). A probe's first step, before it asks a store anything."""
+    try:
+        socket.create_connection((host, port), timeout=probe).close()
+    except OSError:
+        return False
+    return True
+
+
 def _record(data: bytes | None, what: str) -> dict[str, object] | None:
     if data is None:
         return None
@@ -248,9 +259,7 @@ def store_standing(host: str, port: int, keys: Keys, token: str | None,
     """The run's store served at ``host:port`` (one short probe), or None: none answers there,
     or it holds no host record (a follower's copy, another run's store)."""
     wait = timedelta(seconds=probe)
-    try:  # one plain connect first: nothing listening is refused at once, with no retries
-        socket.create_connection((host, port), timeout=probe).close()
-    except OSError:
+    if not listening(host, port, probe):
         return None
     try:
         with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
-from .failover import PROBE, Carried, HostRecord, endpoint_of
+from .failover import PROBE, Carried, HostRecord, endpoint_of, listening
 from .records import RecordError, int_field, parse_record
 from .settings import RendezvousSettings, numeric_host
 from .state import Keys
@@ -136,9 +135,7 @@ def survey(endpoints: list[tuple[str, int]], keys: Keys, token: str | None,
     out = Survey()
     wait = timedelta(seconds=probe)
     for host, port in endpoints:
-        try:  # nothing listening is refused at once, with no retries
-            socket.create_connection((host, port), timeout=probe).close()
-        except OSError:
+        if not listening(host, port, probe):
             continue
         try:
             with Store(host, port, timeout=wait, connect_timeout=wait, token=token) as st:

@@ -19,7 +19,7 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
-from .failover import HostRecord, endpoint_of
+from .failover import HostRecord, endpoint_of, listening
 from .follower import survey
 from .settings import RendezvousSettings
 from .state import Keys
@@ -184,6 +184,9 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             return connect_native_backend(settings, *moved.address)
     if _should_host(settings):
         try:
+            # Nothing listening is the usual case (this node starts the run): refused at once.
+            if not listening(host, settings.port, _PROBE.total_seconds()):
+                raise StoreNetworkError(f"nothing listens at {settings.endpoint}")
             Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE, token=token).close()
             log.info("a rendezvous server already answers at %s", settings.endpoint)
         except StoreNetworkError:
