@@ -5,6 +5,7 @@ snapshots ``ShardedTensor``). ``Snapshots`` takes DTensors as sharded state (``s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,28 +21,30 @@ class ShardedStateError(ValueError):
 
 
 _SHARDED: tuple[type, ...] | None = None
+# Each sharded tensor class and the module that defines it: ``(module, class name)``.
+_SHARDED_CLASSES = (("torch.distributed.tensor", "DTensor"),
+                    ("torch.distributed._shard.sharded_tensor", "ShardedTensor"))
 
 
 def sharded_types() -> tuple[type, ...]:
-    """The classes of sharded tensors (``DTensor``, ``ShardedTensor``) this torch has."""
+    """The classes of sharded tensors (``DTensor``, ``ShardedTensor``) that objects of this process
+    can be: those whose module is loaded. A sharded tensor cannot exist before its module is
+    imported (unpickling one imports it first), so their imports (about 1 s) are left to the
+    code that makes them; the answer is cached once every class is loaded."""
     global _SHARDED
-    if _SHARDED is None:
-        found: list[type] = []
-        if dist.is_available():
-            try:
-                from torch.distributed.tensor import DTensor
-
-                found.append(DTensor)
-            except ImportError:
-                pass
-            try:
-                from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-                found.append(ShardedTensor)
-            except ImportError:
-                pass
+    if _SHARDED is not None:
+        return _SHARDED
+    found: list[type] = []
+    complete = True
+    for module_name, name in _SHARDED_CLASSES:
+        cls = getattr(sys.modules.get(module_name), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+        else:
+            complete = False
+    if complete or not dist.is_available():
         _SHARDED = tuple(found)
-    return _SHARDED
+    return tuple(found)
 
 
 def sharded_path(state: Any, limit: int = 100_000) -> str | None:

@@ -16,7 +16,6 @@ import threading
 import time
 
 from ..checkpoint import save_checkpoint
-from .dcp_disk import write_shard
 from .fileformat import Buffer, decode
 
 __all__ = ["DiskWriter"]
@@ -96,6 +95,9 @@ class DiskWriter:
                     buf.free()
             try:
                 if isinstance(ident, dict) and ident.get("sharded"):
+                    # DCP is imported for sharded state only (about 1 s): see writer.py
+                    from .dcp_disk import write_shard
+
                     write_shard(self.directory, step, ident["rank"], ident["world_size"],
                                 state["items"], state["data"], self.keep)
                 else:

@@ -298,8 +298,7 @@ class Encoded:
 def prepare(state: Any, identity: dict[str, Any]) -> Encoded:
     """Pickles ``(identity, state)``; ``ShardedStateError`` for a sharded tensor in ``state``."""
     global _sharded
-    if not _sharded:
-        _sharded = sharded_types() or (_NoSuchType,)
+    _sharded = sharded_types() or (_NoSuchType,)  # those loaded so far (cached once all are)
     out = io.BytesIO()
     pickler = _Pickler(out)
     try:

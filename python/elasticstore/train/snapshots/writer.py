@@ -22,6 +22,10 @@ checkpoints written by every rank (``dcp_disk.py``), and ``restore(template=...)
 the template, resharded (``sharded_restore.py``). ``ShardedTensor`` is refused
 (``ShardedStateError``).
 
+The modules of sharded state import ``torch.distributed.checkpoint`` (about 1 s here): they are
+imported when a sharded state is first snapshotted or restored, so a replicated or per-rank state
+(DDP's) starts its workers without it.
+
 ``Snapshots.restore`` (a collective, ``restore.py``) returns the newest step that every rank can
 get: from this node's memory, else (replicated state) from another node's, else from disk, and
 says which; it never hands a rank state that is not its own.
@@ -56,8 +60,6 @@ from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, 
                          stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
 from .restore import Restored, restore
-from .sharded_restore import restore_sharded
-from .shards import to_payload
 
 __all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "SnapshotSettings", "Snapshots"]
 
@@ -179,6 +181,8 @@ class Snapshots:
                 sharded = True
         self._sharded = sharded
         if sharded:
+            from .shards import to_payload  # DCP, for sharded state only: see the module
+
             enc = prepare(to_payload(value), Identity(step, rank, world, False, True).to_dict())
         try:
             buf = self._write(enc, step)
@@ -347,6 +351,8 @@ class Snapshots:
             if not isinstance(template, dict):
                 raise TypeError(f"template must be a dict (the run's state dict), not "
                                 f"{type(template).__name__}")
+            from .sharded_restore import restore_sharded  # DCP: see the module
+
             return restore_sharded(self.settings.directory, self.checkpoint_dir, template, group)
         return restore(self.settings.directory, self.settings.local_rank, self.checkpoint_dir,
                        self.replicated, group)
