@@ -170,6 +170,19 @@ def _join_listed(settings: RendezvousSettings) -> NativeBackend:
     raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
 
 
+def _store_answers(host: str, port: int, token: str | None) -> bool:
+    """Whether a store answers at ``host:port`` within ``_PROBE``. Nothing listening there is the
+    usual case (this node starts the run): one plain connect is refused at once, where a store
+    client would retry the refused connect for its whole connect timeout."""
+    if not listening(host, port, _PROBE.total_seconds()):
+        return False
+    try:
+        Store(host, port, timeout=_PROBE, connect_timeout=_PROBE, token=token).close()
+    except StoreNetworkError:
+        return False
+    return True
+
+
 def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     start = time.monotonic()
     host = settings.address  # a name that resolves late is waited for (resolve.py)
@@ -183,13 +196,9 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
             log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
             return connect_native_backend(settings, *moved.address)
     if _should_host(settings):
-        try:
-            # Nothing listening is the usual case (this node starts the run): refused at once.
-            if not listening(host, settings.port, _PROBE.total_seconds()):
-                raise StoreNetworkError(f"nothing listens at {settings.endpoint}")
-            Store(host, settings.port, timeout=_PROBE, connect_timeout=_PROBE, token=token).close()
+        if _store_answers(host, settings.port, token):
             log.info("a rendezvous server already answers at %s", settings.endpoint)
-        except StoreNetworkError:
+        else:
             try:
                 # Only agents (native clients) use it: with a token, torch's protocol, which
                 # cannot prove it, is refused from every peer.
