@@ -16,8 +16,9 @@ writer imports (about 1 s).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .checkpoint import (
@@ -56,15 +57,4 @@ _SOURCES = {
 
 __all__ = sorted(_SOURCES, key=str.lower)
 
-
-def __getattr__(name: str) -> object:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source, __name__), name)
-    globals()[name] = value  # later reads skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SOURCES))
+__getattr__, __dir__ = lazy_names(__name__, _SOURCES, globals())

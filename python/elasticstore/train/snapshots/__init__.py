@@ -11,8 +11,9 @@ the writer, whose disk checkpoints import ``torch.distributed.checkpoint`` (abou
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .errors import ShardedStateError, SnapshotMismatchError, SnapshotSpaceError
@@ -34,15 +35,4 @@ _SOURCES = {
 __all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "Restored", "ShardedStateError",
            "SnapshotMismatchError", "SnapshotSettings", "SnapshotSpaceError", "Snapshots"]
 
-
-def __getattr__(name: str) -> object:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(source, __name__), name)
-    globals()[name] = value  # later reads skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SOURCES))
+__getattr__, __dir__ = lazy_names(__name__, _SOURCES, globals())
