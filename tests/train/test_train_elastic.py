@@ -80,7 +80,10 @@ def test_worker_killed_ends_with_the_weights_of_an_uninterrupted_run(tmp_path: P
         out = "".join(a.output(p) for p in nodes)
     failed, clean = summary(workdir, "failed"), summary(workdir, "clean")
     assert "failing on purpose at step 27" in out and "restart 1/1" in out
-    assert "resumed from step 26 (epoch 1, 640 samples consumed) at world size 2, from memory" in out
+    # From this node's memory, or from the other's when rank 0 was killed before its own
+    # snapshot of step 26 was complete (a loaded machine): RAM either way, never disk.
+    assert re.search(r"resumed from step 26 \(epoch 1, 640 samples consumed\) at world size 2, "
+                     r"from (memory|peer)\b", out), out
     assert failed["restart_count"] == 1 and clean["restart_count"] == 0
     assert failed["world_size"] == clean["world_size"] == 2
     assert failed["weights_sha256"] == clean["weights_sha256"]
