@@ -32,7 +32,6 @@ _SOURCES = {
     "Snapshots": ".writer",
 }
 
-__all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "Restored", "ShardedStateError",
-           "SnapshotMismatchError", "SnapshotSettings", "SnapshotSpaceError", "Snapshots"]
+__all__ = sorted(_SOURCES)
 
 __getattr__, __dir__ = lazy_names(__name__, _SOURCES, globals())
