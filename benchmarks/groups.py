@@ -60,7 +60,8 @@ def group(peer_name: str, srv, n: int, kind: str, rounds: int, preconnect: bool,
             for k in per]
     cpu = {}
     results = run_workers(_group_worker, args, timeout=sz.op_timeout * (rounds + 2) + 60,
-                          on_ready=lambda: cpu.update(start=srv.cpu_seconds()))
+                          on_ready=lambda: cpu.update(start=srv.cpu_seconds()),
+                          fresh=PEERS[peer_name].fresh_children)
     cpu_used = srv.cpu_seconds() - cpu["start"]
     t_start = results[0][0]
     return {"seconds": (max(r[1][-1] for r in results) - t_start) / 1e9,

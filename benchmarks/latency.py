@@ -77,7 +77,8 @@ def wait_wakeup_samples(peer_name: str, store, host: str, port: int, prefix: str
                         iters: int, max_seconds: float) -> list:
     """From `store.set(key)` in this process to `wait([key])` returning in another process
     (a forked waiter on its own connection); the waiter blocks ~3 ms before each set."""
-    pid, r = fork_child(_waiter, peer_name, host, port, prefix, iters, sz.op_timeout)
+    pid, r = fork_child(_waiter, peer_name, host, port, prefix, iters, sz.op_timeout,
+                        fresh=PEERS[peer_name].fresh_children)
     samples = []
     try:
         deadline = time.monotonic() + sz.op_timeout + iters * 0.1

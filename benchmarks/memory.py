@@ -60,6 +60,7 @@ def memory(peer_name: str, sz: Sizes) -> dict:
         run_workers(
             _holder, [(peer_name, srv.host, srv.port, k, sz.op_timeout) for k in per],
             timeout=sz.op_timeout + 120, on_ready=lambda: seen.update(rss=_settled_rss(srv)),
+            fresh=peer.fresh_children,
         )
         out["conns"] = sz.idle_conns
         out["conns_bytes"] = seen["rss"]

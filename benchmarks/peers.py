@@ -158,6 +158,9 @@ class Peer:
     measure_memory: bool = True  # False when the server is another row's
     skips: dict = field(default_factory=dict)  # section -> why this peer is not measured there
     max_clients: int = 0  # throughput above this many clients is skipped (0: no limit)
+    # Set when the client cannot be used in a forked copy of the measuring process: its client
+    # processes are forked by a fresh interpreter that runs this first (workers.py, ``fresh=``).
+    fresh_children: Optional[Callable[[], None]] = None
 
     def skip(self, section: str, n: int = 0) -> Optional[str]:
         """Why this peer is not measured in `section` (at n clients), or None."""
@@ -232,6 +235,7 @@ PEERS: dict[str, Peer] = {
             _ALL_OPS,
             skips=etcd_peer.SKIPS,
             max_clients=etcd_peer.MAX_CLIENTS,
+            fresh_children=etcd_peer.import_client,
         ),
     ]
 }

@@ -83,7 +83,8 @@ def throughput_run(peer_name: str, srv, n_clients: int, sz: Sizes, prefix: str,
             for w in range(n_clients)]
     cpu = {}
     results = run_workers(_tput_worker, args, timeout=sz.op_timeout + 60 + seconds,
-                          on_ready=lambda: cpu.update(start=srv.cpu_seconds()))
+                          on_ready=lambda: cpu.update(start=srv.cpu_seconds()),
+                          fresh=peer.fresh_children)
     cpu_used = srv.cpu_seconds() - cpu["start"]
     lat = array("q")
     for _, b in results:

@@ -3,6 +3,12 @@
 A child is forked from the measuring process (after torch and elasticstore are imported, so its
 pages are shared copy-on-write), carries PR_SET_PDEATHSIG, and sends its result back pickled
 through a pipe; the parent kills and reaps every child on any error or timeout.
+
+A client that cannot live in a forked copy of the measuring process (etcd's: gRPC, whose state
+does not survive a fork without its fork support, and whose fork handlers can block ``fork()``
+for good: the measuring process runs with them off, see etcd_peer.py) gets its children from a
+fresh interpreter instead (``fresh=``: ``fresh_child.py``, started by fork + exec, forks them
+after importing the client once): the same protocol, the same pipes.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import pickle
 import selectors
 import signal
 import struct
+import sys
 import time
 import traceback
+from typing import Callable, NoReturn, Optional
 
 import procs
 
@@ -42,27 +50,61 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return buf
 
 
-def fork_child(fn, *args) -> tuple[int, int]:
-    """Forks a child running fn(write_fd, *args); returns (pid, read_fd). The child dies with us."""
+FRESH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_child.py")
+
+
+def child_main(w: int, fn, args: tuple) -> NoReturn:
+    """In a child: runs fn(w, *args), sends a failure's traceback on w, never returns."""
+    code = 0
+    try:
+        procs.set_pdeathsig()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        fn(w, *args)
+    except BaseException:
+        code = 1
+        try:
+            msg = traceback.format_exc().encode()
+            os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _exec_fresh(prepare: Callable[[], None], entries: list, keep: list) -> NoReturn:
+    """In a forked child that must not run Python code of the parent's: execs fresh_child.py,
+    which runs ``prepare()`` and then each entry (fn, w, args) in a child of its own. ``keep``:
+    the descriptors that it inherits (the entries' pipes and what their args name)."""
+    w = entries[0][1]
+    try:
+        procs.set_pdeathsig()  # kept across exec
+        payload = os.memfd_create("bench-fresh-child", 0)  # no MFD_CLOEXEC: inherited
+        os.write(payload, pickle.dumps((prepare, entries)))
+        os.lseek(payload, 0, os.SEEK_SET)
+        for fd in keep:
+            os.set_inheritable(fd, True)
+        writers = ",".join(str(e[1]) for e in entries)
+        os.execv(sys.executable, [sys.executable, FRESH_SCRIPT, str(payload), writers])
+    except BaseException:
+        try:
+            msg = traceback.format_exc().encode()
+            os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+        finally:
+            os._exit(1)
+
+
+def fork_child(fn, *args, fresh: Optional[Callable[[], None]] = None) -> tuple[int, int]:
+    """Forks a child running fn(write_fd, *args); returns (pid, read_fd). The child dies with us.
+    ``fresh``: the child runs in a fresh interpreter that calls ``fresh()`` first (fn and args
+    must then be picklable: module-level functions and plain values)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
-        code = 0
-        try:
-            os.close(r)
-            procs.set_pdeathsig()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            fn(w, *args)
-        except BaseException:
-            code = 1
-            try:
-                msg = traceback.format_exc().encode()
-                os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
-            except OSError:
-                pass
-        finally:
-            os._exit(code)
+        os.close(r)
+        if fresh is not None:
+            _exec_fresh(fresh, [(fn, w, args)], [w])
+        child_main(w, fn, args)
     os.close(w)
     procs._CHILDREN.add(pid)
     return pid, r
@@ -97,29 +139,52 @@ def _recv(r: int, deadline: float) -> tuple[bytes, bytes]:
     return head[:1], payload
 
 
-def run_workers(fn, args_list: list, timeout: float, on_ready=None) -> list:
+def _ready_child(w: int, fn, go_r: int, go_w: int, start_fd: int, *args) -> None:
+    """A run_workers child: fn(ready, *args); its result goes back pickled on w."""
+    if go_w >= 0:  # a forked copy holds the parent's end of the go pipe: "parent went away"
+        os.close(go_w)  # must see EOF when the parent dies
+    start = mmap.mmap(start_fd, 8)
+
+    def ready() -> int:
+        _send(w, b"R")
+        if os.read(go_r, 1) != b"G":
+            raise RuntimeError("parent went away")
+        return struct.unpack("<q", start[:8])[0]
+
+    _send(w, b"D", pickle.dumps(fn(ready, *args)))
+
+
+def run_workers(fn, args_list: list, timeout: float, on_ready=None,
+                fresh: Optional[Callable[[], None]] = None) -> list:
     """Forks one process per args; each runs fn(ready, *args) and returns a picklable result.
     ``ready()`` tells the parent this child is set up and returns the common start time
-    (perf_counter_ns) once every child is ready; ``on_ready()`` runs in the parent then."""
+    (perf_counter_ns) once every child is ready; ``on_ready()`` runs in the parent then.
+    ``fresh``: the children are forked by a fresh interpreter that calls ``fresh()`` first
+    (see the module's doc; fn and args must be picklable)."""
     go_r, go_w = os.pipe()
-    shared = mmap.mmap(-1, 8)
+    start_fd = os.memfd_create("bench-start", os.MFD_CLOEXEC)
+    os.ftruncate(start_fd, 8)
+    shared = mmap.mmap(start_fd, 8)
 
-    def child(w, *args):
-        os.close(go_w)
-
-        def ready() -> int:
-            _send(w, b"R")
-            if os.read(go_r, 1) != b"G":
-                raise RuntimeError("parent went away")
-            return struct.unpack("<q", shared[:8])[0]
-
-        _send(w, b"D", pickle.dumps(fn(ready, *args)))
-
-    kids = []
+    kids: list[tuple[int, int]] = []
     deadline = time.monotonic() + timeout
     try:
-        for args in args_list:
-            kids.append(fork_child(child, *args))
+        if fresh is None:
+            for args in args_list:
+                kids.append(fork_child(_ready_child, fn, go_r, go_w, start_fd, *args))
+        else:
+            pipes = [os.pipe() for _ in args_list]
+            entries = [(_ready_child, w, (fn, go_r, -1, start_fd, *args))
+                       for (_, w), args in zip(pipes, args_list)]
+            pid = os.fork()
+            if pid == 0:  # one fresh interpreter forks every child
+                for r, _ in pipes:
+                    os.close(r)
+                _exec_fresh(fresh, entries, [w for _, w in pipes] + [go_r, start_fd])
+            procs._CHILDREN.add(pid)
+            for r, w in pipes:
+                os.close(w)
+                kids.append((pid, r))
         os.close(go_r)
         for _, r in kids:
             tag, _ = _recv(r, deadline)
@@ -136,6 +201,7 @@ def run_workers(fn, args_list: list, timeout: float, on_ready=None) -> list:
             os.close(r)
             reap(pid, kill=True)
         shared.close()
+        os.close(start_fd)
     return results
 
 
