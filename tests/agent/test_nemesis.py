@@ -66,7 +66,9 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
             if not ended_early:
                 bad = {k: v for k, v in codes.items() if v != 0}
                 if bad:
-                    failures.append(f"(b) job {job.run_id}: agents did not finish with 0: {bad}")
+                    said = "; ".join(f"{k} said: {job.last_lines(k)}" for k in bad)
+                    failures.append(f"(b) job {job.run_id}: agents did not finish with 0: {bad} "
+                                    f"({said})")
             failures.extend(f"job {job.run_id}: {v}" for v in job.violations())
         finally:
             if failures:

@@ -196,6 +196,15 @@ class Job:
             codes[f"node{node}"] = code
         return codes
 
+    def last_lines(self, node: str, count: int = 4) -> str:
+        """The last lines ``node`` ("node2", as ``finish`` names it) wrote: why it exited so,
+        in a report that shows only the failures' messages."""
+        proc = self.procs.get(int(node.removeprefix("node")))
+        if proc is None:
+            return ""
+        lines = [ln for ln in self.agents.output(proc).splitlines() if ln.strip()]
+        return " | ".join(lines[-count:])
+
     def violations(self) -> list[str]:
         """(a) and (c) over everything the job recorded."""
         found = groups(self.workdir)
