@@ -50,7 +50,9 @@ def render(res: dict, quick: bool) -> str:
              f"Python {m['python']}, fd limit {m['fd_limit']}")
     L.append("- every server runs in its own process; clients are processes forked from the "
              "measuring process after `import torch, elasticstore` (pages shared), the same "
-             "way for every peer; storm/barrier clients are threads in up to "
+             "way for every peer but etcd, whose gRPC client does not survive a fork: its client "
+             "processes are forked by a fresh interpreter that imported the client once; "
+             "storm/barrier clients are threads in up to "
              f"{res['sizes']['max_procs']} such processes")
     L.append("- peers take turns (latency in 4 slices per op, throughput in "
              f"{res['sizes'].get('tput_rounds', 2)} per point, "
