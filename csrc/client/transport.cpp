@@ -288,13 +288,18 @@ void ClientTransport::check_not_closed_waiting(const char* doing, const char* wh
 bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const char* doing,
                               const char* what) {
   const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());
+  bool last_look = false;  // the deadline passed: one poll without waiting, then false
+  bool stall_granted = false;  // kStallGrace was added (see transport.hpp)
   for (;;) {
     int timeout_ms = -1;
     if (deadline != Clock::time_point::max()) {
       const auto now = Clock::now();
-      if (now >= deadline) return false;
+      if (now >= deadline) {
+        if (last_look || fd_ < 0 || !events) return false;
+        last_look = true;
+      }
       const auto rem = std::chrono::ceil<milliseconds>(deadline - now).count();
-      timeout_ms = static_cast<int>(std::min<int64_t>(rem, INT_MAX));
+      timeout_ms = last_look ? 0 : static_cast<int>(std::min<int64_t>(rem, INT_MAX));
     }
     if (check_interrupts) {
       timeout_ms = timeout_ms < 0 ? kInterruptPollMs : std::min(timeout_ms, kInterruptPollMs);
@@ -302,8 +307,20 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
     check_not_closed_waiting(doing, what);
     pollfd pfds[2] = {{wake_fd_.load(), POLLIN, 0}, {fd_, events, 0}};
     const nfds_t nfds = fd_ >= 0 && events ? 2 : 1;
+    const auto polled_at = Clock::now();
     const int n = ::poll(pfds, nfds, timeout_ms);
-    if (n < 0 && errno != EINTR) fail_network(std::string("poll: ") + errno_text(errno));
+    const int poll_errno = errno;
+    if (!stall_granted && nfds == 2 && timeout_ms >= 0 && deadline != Clock::time_point::max()) {
+      const auto woke = Clock::now();
+      if (woke >= deadline && woke - polled_at > milliseconds(timeout_ms) + kStallTolerance) {
+        stall_granted = true;  // this process did not run for a while: the server may not have
+        deadline = woke + kStallGrace;  // either (it ran in this process, or was starved too)
+        last_look = false;
+      }
+    }
+    if (n < 0 && poll_errno != EINTR) {
+      fail_network(std::string("poll: ") + errno_text(poll_errno));
+    }
     check_not_closed_waiting(doing, what);
     // POLLERR/POLLHUP count as ready: the next send/recv reports the error.
     if (n > 0 && nfds == 2 && pfds[1].revents) return true;

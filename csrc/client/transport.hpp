@@ -40,6 +40,14 @@ inline constexpr std::chrono::milliseconds kLastAttemptWindow{100};
 // The socket's receive timeout: a blocking recv waits at most this long before the call falls
 // back to poll() (which also watches close() and interrupts). At most kInterruptPollMs.
 inline constexpr std::chrono::milliseconds kRecvSlice{kInterruptPollMs};
+// A deadline can pass while this process does not run (stopped by SIGSTOP, a debugger, a frozen
+// cgroup, or starved of CPU): what the server sent meanwhile still counts. When a wait for a
+// descriptor ends past its deadline later than kStallTolerance after it should have (the
+// process was not running), the descriptor gets kStallGrace more, once per wait: a server
+// stopped with this process (one hosted in it) answers within that once both run again. Every
+// wait past its deadline also takes one last look without waiting before it fails.
+inline constexpr std::chrono::milliseconds kStallTolerance{1000};
+inline constexpr std::chrono::milliseconds kStallGrace{500};
 // A connection unused for longer than this is checked for EOF (a restarted server) before a
 // request is sent on it; a recently used one is not (one syscall less per call).
 inline constexpr std::chrono::milliseconds kIdleCheck{100};

@@ -142,6 +142,57 @@ def test_set_timeout_applies_to_calls_that_do_not_block(
         store.close()
 
 
+# A client whose process was stopped past its deadline (SIGSTOP, a debugger, a frozen cgroup) takes
+# the reply that came meanwhile, and one from a server stopped with it (hosted in its process, as
+# an agent hosts the rendezvous store) once both run again: a late wake-up is not a lost server.
+_STOPPED_CLIENT = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    from elasticstore import Store, StoreServer, StoreNetworkError, StoreTimeoutError
+    host, port = sys.argv[1], int(sys.argv[2])
+    if port == 0:  # a server hosted in this process, stopped with it
+        server = StoreServer("127.0.0.1", 0)
+        host, port = server.host, server.port
+    store = Store(host, port, timeout=timedelta(seconds=1))
+    print("waiting", flush=True)
+    try:
+        store.wait(["never"], timedelta(seconds=1))
+        print("returned", flush=True)
+    except StoreTimeoutError as exc:
+        print("timeout:", exc, flush=True)
+    except StoreNetworkError as exc:
+        print("network:", exc, flush=True)
+    store.set("after", "1")
+    print("after:", store.get("after").decode(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["remote", "in-process"])
+def test_a_client_stopped_past_its_deadline_takes_the_reply_that_came(
+        server: StoreServer, where: str) -> None:
+    port = server.port if where == "remote" else 0
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_CLIENT, server.host, str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        if not select.select([proc.stdout], [], [], 60)[0]:
+            pytest.fail("the client did not start")
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # blocked in its wait (server timeout 1 s, the client's deadline 3 s)
+        _stop(proc.pid)
+        time.sleep(4.0)  # past both: the server's timeout reply, if remote, is waiting for it
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("timeout: wait reached its timeout after"), out
+    assert lines[1] == "after: 1", out  # the connection was kept
+
+
 # -- item 7: fork() ------------------------------------------------------------------------------
 
 
