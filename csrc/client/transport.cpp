@@ -288,8 +288,7 @@ void ClientTransport::check_not_closed_waiting(const char* doing, const char* wh
 bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const char* doing,
                               const char* what) {
   const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());
-  bool last_look = false;  // the deadline passed: one poll without waiting, then false
-  bool stall_granted = false;  // kStallGrace was added (see transport.hpp)
+  bool last_look = false, stall_granted = false;  // a poll past the deadline; kStallGrace added
   for (;;) {
     int timeout_ms = -1;
     if (deadline != Clock::time_point::max()) {
@@ -309,7 +308,7 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
     const nfds_t nfds = fd_ >= 0 && events ? 2 : 1;
     const auto polled_at = Clock::now();
     const int n = ::poll(pfds, nfds, timeout_ms);
-    const int poll_errno = errno;
+    if (n < 0 && errno != EINTR) fail_network(std::string("poll: ") + errno_text(errno));
     if (!stall_granted && nfds == 2 && timeout_ms >= 0 && deadline != Clock::time_point::max()) {
       const auto woke = Clock::now();
       if (woke >= deadline && woke - polled_at > milliseconds(timeout_ms) + kStallTolerance) {
@@ -317,9 +316,6 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
         deadline = woke + kStallGrace;  // either (it ran in this process, or was starved too)
         last_look = false;
       }
-    }
-    if (n < 0 && poll_errno != EINTR) {
-      fail_network(std::string("poll: ") + errno_text(poll_errno));
     }
     check_not_closed_waiting(doing, what);
     // POLLERR/POLLHUP count as ready: the next send/recv reports the error.
