@@ -286,14 +286,18 @@ void ClientTransport::check_not_closed_waiting(const char* doing, const char* wh
 }
 
 bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const char* doing,
-                              const char* what) {
+                              const char* what, bool stalled) {
   const bool check_interrupts = interrupt_check_ && (!interruptible_ || interruptible_());
   bool last_look = false, stall_granted = false;  // a poll past the deadline; kStallGrace added
   for (;;) {
     int timeout_ms = -1;
+    Clock::time_point now{};  // read only when there is a deadline: the stall check's start
     if (deadline != Clock::time_point::max()) {
-      const auto now = Clock::now();
-      if (now >= deadline) {
+      now = Clock::now();
+      if (now >= deadline && stalled && !stall_granted && fd_ >= 0 && events) {
+        stall_granted = true;  // this process did not run for a while: the server may not
+        deadline = now + kStallGrace;  // have either (it ran in this process, or starved too)
+      } else if (now >= deadline) {
         if (last_look || fd_ < 0 || !events) return false;
         last_look = true;
       }
@@ -306,16 +310,10 @@ bool ClientTransport::wait_fd(short events, Clock::time_point deadline, const ch
     check_not_closed_waiting(doing, what);
     pollfd pfds[2] = {{wake_fd_.load(), POLLIN, 0}, {fd_, events, 0}};
     const nfds_t nfds = fd_ >= 0 && events ? 2 : 1;
-    const auto polled_at = Clock::now();
     const int n = ::poll(pfds, nfds, timeout_ms);
     if (n < 0 && errno != EINTR) fail_network(std::string("poll: ") + errno_text(errno));
-    if (!stall_granted && nfds == 2 && timeout_ms >= 0 && deadline != Clock::time_point::max()) {
-      const auto woke = Clock::now();
-      if (woke >= deadline && woke - polled_at > milliseconds(timeout_ms) + kStallTolerance) {
-        stall_granted = true;  // this process did not run for a while: the server may not have
-        deadline = woke + kStallGrace;  // either (it ran in this process, or was starved too)
-        last_look = false;
-      }
+    if (nfds == 2 && timeout_ms >= 0 && deadline != Clock::time_point::max()) {
+      stalled = stalled || Clock::now() - now > milliseconds(timeout_ms) + kStallTolerance;
     }
     check_not_closed_waiting(doing, what);
     // POLLERR/POLLHUP count as ready: the next send/recv reports the error.
@@ -362,8 +360,7 @@ void ClientTransport::drop_consumed() {
 
 bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, const char* name) {
   if (rbuf_.size() < want) rbuf_.resize(std::max(want, rbuf_.size() * 2));
-  // One recv: true when bytes came; false when none came yet (timeout slice, EAGAIN or a signal);
-  // the peer closing or a socket error throws.
+  // One recv: true when bytes came, false when none yet (slice, EAGAIN, signal); EOF/errors throw.
   auto take = [&](int flags) {
     const ssize_t n = ::recv(fd_, &rbuf_[rlen_], rbuf_.size() - rlen_, flags);
     if (n > 0) {
@@ -376,13 +373,16 @@ bool ClientTransport::receive(std::size_t want, Clock::time_point deadline, cons
     if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR) recv_failed(name, err);
     return false;
   };
-  // Fast path: one blocking recv, which the socket's receive timeout cuts after kRecvSlice; the
-  // reply to a request that does not block server-side is nearly always there by then. Otherwise
-  // wait with poll(), which watches close() and interrupts too.
-  if ((deadline == Clock::time_point::max() || deadline - Clock::now() >= kRecvSlice) && take(0))
-    return true;
+  // Fast path: one blocking recv, cut after kRecvSlice by the socket's receive timeout (a reply
+  // to a request that does not block server-side is nearly always there by then); else poll(),
+  // which watches close() and interrupts too. stalled: the recv returned far later (kStallGrace).
+  bool stalled = false;
+  if (const auto asked = Clock::now(); deadline - asked >= kRecvSlice) {
+    if (take(0)) return true;
+    stalled = Clock::now() - asked > kRecvSlice + kStallTolerance;
+  }
   for (;;) {
-    if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name)) return false;
+    if (!wait_fd(POLLIN, deadline, "waiting for the reply to", name, stalled)) return false;
     if (take(MSG_DONTWAIT)) return true;
   }
 }

@@ -41,9 +41,9 @@ inline constexpr std::chrono::milliseconds kLastAttemptWindow{100};
 // back to poll() (which also watches close() and interrupts). At most kInterruptPollMs.
 inline constexpr std::chrono::milliseconds kRecvSlice{kInterruptPollMs};
 // A deadline can pass while this process does not run (stopped by SIGSTOP, a debugger, a frozen
-// cgroup, or starved of CPU): what the server sent meanwhile still counts. When a wait for a
-// descriptor ends past its deadline later than kStallTolerance after it should have (the
-// process was not running), the descriptor gets kStallGrace more, once per wait: a server
+// cgroup, or starved of CPU): what the server sent meanwhile still counts. When a blocking recv
+// or a poll of a wait returns later than kStallTolerance after it should have (the process was
+// not running) and the deadline has passed, the wait gets kStallGrace more, once: a server
 // stopped with this process (one hosted in it) answers within that once both run again. Every
 // wait past its deadline also takes one last look without waiting before it fails.
 inline constexpr std::chrono::milliseconds kStallTolerance{1000};
@@ -105,7 +105,9 @@ class ClientTransport {
   // Waits for events on the socket (not open: only sleeps) until deadline; false on deadline.
   // Throws NetworkError when signal_close() was called, InterruptedError when interrupt_check
   // says so. `doing` and `what` (e.g. "sending", "SET") only name the wait in those errors.
-  bool wait_fd(short events, Clock::time_point deadline, const char* doing, const char* what);
+  // stalled: the caller's blocking recv found this process stopped (kStallGrace).
+  bool wait_fd(short events, Clock::time_point deadline, const char* doing, const char* what,
+               bool stalled = false);
   // `name` (e.g. "SET") only names the request in errors.
   void send_all(const char* data, std::size_t size, Clock::time_point deadline, const char* name);
 

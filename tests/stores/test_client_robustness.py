@@ -151,8 +151,16 @@ _STOPPED_CLIENT = textwrap.dedent("""
     from elasticstore import Store, StoreServer, StoreNetworkError, StoreTimeoutError
     host, port = sys.argv[1], int(sys.argv[2])
     if port == 0:  # a server hosted in this process, stopped with it
+        import threading, time
         server = StoreServer("127.0.0.1", 0)
         host, port = server.host, server.port
+
+        def blocked():  # says when the server holds the wait below (its timer runs)
+            while server.stats()["waiters"] < 1:
+                time.sleep(0.01)
+            print("blocked", flush=True)
+
+        threading.Thread(target=blocked, daemon=True).start()
     store = Store(host, port, timeout=timedelta(seconds=1))
     print("waiting", flush=True)
     try:
@@ -178,7 +186,12 @@ def test_a_client_stopped_past_its_deadline_takes_the_reply_that_came(
         if not select.select([proc.stdout], [], [], 60)[0]:
             pytest.fail("the client did not start")
         assert proc.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)  # blocked in its wait (server timeout 1 s, the client's deadline 3 s)
+        # The server holds the wait (its timeout 1 s; the client's deadline 3 s) before the stop.
+        if where == "remote":
+            spawned.wait_until(lambda: server.stats()["waiters"] >= 1, 10, "the client's wait")
+        elif not select.select([proc.stdout], [], [], 10)[0] or \
+                proc.stdout.readline().strip() != "blocked":
+            pytest.fail("the client's server never held its wait")
         _stop(proc.pid)
         time.sleep(4.0)  # past both: the server's timeout reply, if remote, is waiting for it
         os.kill(proc.pid, signal.SIGCONT)
