@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
 import sys
-import traceback
 
 import workers
 
@@ -28,9 +26,8 @@ def main() -> None:
             prepare, entries = pickle.load(f)
         prepare()
     except BaseException:
-        msg = traceback.format_exc().encode()
         for w in writers:  # every child's reader sees why
-            os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+            workers.send_error(w)
         raise
     if len(entries) == 1:
         fn, w, args = entries[0]

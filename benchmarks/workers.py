@@ -53,6 +53,12 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
 FRESH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_child.py")
 
 
+def send_error(w: int) -> None:
+    """In a child: the exception being handled, as the "E" frame its parent's reader raises."""
+    msg = traceback.format_exc().encode()
+    os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+
+
 def child_main(w: int, fn, args: tuple) -> NoReturn:
     """In a child: runs fn(w, *args), sends a failure's traceback on w, never returns."""
     code = 0
@@ -64,8 +70,7 @@ def child_main(w: int, fn, args: tuple) -> NoReturn:
     except BaseException:
         code = 1
         try:
-            msg = traceback.format_exc().encode()
-            os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+            send_error(w)
         except OSError:
             pass
     finally:
@@ -88,8 +93,7 @@ def _exec_fresh(prepare: Callable[[], None], entries: list, keep: list) -> NoRet
         os.execv(sys.executable, [sys.executable, FRESH_SCRIPT, str(payload), writers])
     except BaseException:
         try:
-            msg = traceback.format_exc().encode()
-            os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+            send_error(w)
         finally:
             os._exit(1)
 
