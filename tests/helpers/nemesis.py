@@ -30,6 +30,7 @@ import random
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -140,9 +141,12 @@ class Job:
         """A group that completed a step that started after ``since``."""
         return next((g for g in reversed(groups(self.workdir)) if g.last > since), None)
 
-    def wait_training(self, since: float, timeout: float) -> Group | None:
+    def wait_training(self, since: float, timeout: float,
+                      stop: threading.Event | None = None) -> Group | None:
+        """The first group that trained after ``since``, within ``timeout``; None at the timeout,
+        when every agent exited, or when ``stop`` is set."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if (g := self.trained_after(since)) is not None:
                 return g
             if all(p.poll() is not None for p in self.procs.values()):
