@@ -185,3 +185,51 @@ def test_round_replaced_before_a_slow_node_connects(agents: Callable[..., Agents
             print(f"slow node -> next round {time.monotonic() - thawed:.2f}s after it went on")
             assert (got["round"], got["world"], got["rank"]) == (2, 2, 0)
             assert third.expect("round", 25)["round"] == 2
+
+
+def test_a_node_whose_store_goes_silent_as_it_starts_looks_it_up_again() -> None:
+    """A node that starts among several endpoints connects to the store of the first entry's
+    node, which is then stopped (SIGSTOP: a frozen container, a supervisor's pause) before the
+    node's handler made its first calls on it (its liveness key): those fail. The node is in no
+    round yet, so its start does not fail: its first join looks the store up again among the
+    endpoints and joins it once the host runs again (the nemesis found a node restarted while the
+    host was stopped exiting 1 at its start)."""
+    import socket
+
+    from elasticstore.rendezvous.handler import ElasticRendezvousHandler
+    from elasticstore.rendezvous.native import create_native_backend
+    from elasticstore.rendezvous.registry import backend as backend_row
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.2", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"127.0.0.2:{port},127.0.0.3:{port}"
+    conf = {**FAST, "store_timeout": 1}
+    with Agents(backend="elasticstore", endpoint=endpoint, run_id="silent", min=1, max=2,
+                conf=conf) as group:
+        host = group.start("127.0.0.2", rounds=2)  # the first entry's node: it hosts
+        assert host.expect("round", READY_WITHIN + 30)["round"] == 1  # alone (min 1)
+        settings = backend_row("elasticstore").settings(
+            run_id="silent", endpoint=endpoint, min_nodes=1, max_nodes=2, local_addr="127.0.0.3",
+            config=conf)
+        backend = create_native_backend(settings)  # connected to the host's store
+        handler: ElasticRendezvousHandler | None = None
+        host.freeze()
+        thaw = threading.Timer(5.0, host.thaw)  # after the handler's first calls failed (1-3 s)
+        thaw.start()
+        try:
+            began = time.monotonic()
+            handler = ElasticRendezvousHandler(backend, settings)
+            assert thaw.is_alive(), "the handler's first calls ended after the host ran again"
+            info = handler.next_rendezvous()
+            thawed = time.monotonic() - began - 5.0
+            assert handler.round is not None and (handler.round.round, info.world_size) == (2, 2)
+            other = host.expect("round", 30)
+            assert (other["round"], other["world"]) == (2, 2), other
+            print(f"store stopped as a node started -> that node in round 2 {thawed:.2f}s "
+                  f"after the host ran again")
+        finally:
+            thaw.cancel()
+            host.thaw()
+            if handler is not None:
+                handler.shutdown()

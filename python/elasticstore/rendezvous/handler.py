@@ -70,11 +70,14 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
         self._joining = 0  # next_rendezvous calls in progress (another thread's, at shutdown)
         self._shut = False  # shutdown() was called: a join in progress gives up
         self._init_failover(backend)
-        with self._guard():
-            self._attach(backend)
-            if self._fails_over and backend.server is not None:  # the first host: epoch 1
-                backend.create(self._keys.host, HostRecord(1, self._node, endpoint_of(
-                    settings.address, settings.port), None, time.time()).to_json())
+        try:
+            with self._guard():
+                self._attach(backend)
+                if self._fails_over and backend.server is not None:  # the first host: epoch 1
+                    backend.create(self._keys.host, HostRecord(1, self._node, endpoint_of(
+                        settings.address, settings.port), None, time.time()).to_json())
+        except RendezvousConnectionError as exc:  # lost at once: look it up again, or raise
+            takeover.lost_at_start(self, backend, exc)
 
     def _attach(self, backend: StoreBackend) -> None:
         """Uses ``backend``: this node's liveness key, the next ring watcher's connection."""
@@ -171,11 +174,9 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
                 except RoundReplaced:
                     target = state.round + 1
                     continue
-                log.info(
-                    "rendezvous %s round %d: node %s has rank %d of %d (%.3fs)",
-                    self._settings.run_id, state.round, self._node, rank, state.world_size,
-                    time.monotonic() - start,
-                )
+                log.info("rendezvous %s round %d: node %s has rank %d of %d (%.3fs)",
+                         self._settings.run_id, state.round, self._node, rank, state.world_size,
+                         time.monotonic() - start)
                 return info
         raise RendezvousTimeoutError("rendezvous: too many rounds replaced while joining")
 
@@ -361,9 +362,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent,
                                      self._saw_loss if self._fails_over else None)
         if rank == 0:
-            self._worker_server = server = host_worker_store(self._addr, state,
-                                                             self._settings.store_token)
-            boot = server.address
+            self._worker_server = host_worker_store(self._addr, state, self._settings.store_token)
+            boot = self._worker_server.address
             backend.set(keys.boot(state.round), boot)
         else:
             boot = await_boot(backend, keys, state.round, deadline)

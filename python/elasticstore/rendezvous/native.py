@@ -170,6 +170,30 @@ def _join_listed(settings: RendezvousSettings) -> NativeBackend:
     raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
 
 
+def _find_moved(settings: RendezvousSettings) -> NativeBackend | None:
+    """Where the first entry's node starts: a backend on the store that moved (``_find_run``),
+    or None (no store moved: it hosts). A moved store that does not answer when connected to
+    (its host stopped again since the look-up) is looked up again, up to ``join_timeout``."""
+    deadline = time.monotonic() + settings.join_timeout
+    for _ in range(1 << 20):
+        moved = _find_run(settings)
+        if moved is None:
+            return None
+        try:
+            backend = connect_native_backend(settings, *moved.address)
+        except StoreNetworkError as exc:
+            if time.monotonic() >= deadline:
+                raise RendezvousConnectionError(
+                    f"rendezvous {settings.run_id!r}: the store moved to {moved.endpoint} "
+                    f"(epoch {moved.epoch}), which did not answer within join_timeout "
+                    f"{settings.join_timeout:g}s: {exc}") from exc
+            log.info("the store at %s did not answer (%s): looking again", moved.endpoint, exc)
+            continue
+        log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
+        return backend
+    raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
+
+
 def _store_answers(host: str, port: int, token: str | None) -> bool:
     """Whether a store answers at ``host:port`` within ``_PROBE``. Nothing listening there is the
     usual case (this node starts the run): one plain connect is refused at once, where a store
@@ -191,10 +215,9 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     if settings.failover and len(settings.endpoints) > 1 and not _should_host(settings):
         return _join_listed(settings)
     if settings.failover and len(settings.endpoints) > 1:
-        moved = _find_run(settings)
+        moved = _find_moved(settings)
         if moved is not None:
-            log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
-            return connect_native_backend(settings, *moved.address)
+            return moved
     if _should_host(settings):
         if _store_answers(host, settings.port, token):
             log.info("a rendezvous server already answers at %s", settings.endpoint)

@@ -29,7 +29,7 @@ from .native import NativeBackend, connect_native_backend
 from .settings import RendezvousSettings
 from .state import Keys
 
-__all__ = ["SwitchingNode", "serve_early", "take_over"]
+__all__ = ["SwitchingNode", "lost_at_start", "serve_early", "take_over"]
 
 
 class SwitchingNode(Protocol):
@@ -53,6 +53,7 @@ class SwitchingNode(Protocol):
     _early_backend: StoreBackend | None
     _alive: bool
     _moves: list[HostRecord]
+    _lost: BaseException | None
 
     def _attach(self, backend: StoreBackend) -> None: ...
 
@@ -113,6 +114,24 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
                     old.endpoint, record.endpoint, record.epoch)
 
 
+def lost_at_start(h: SwitchingNode, backend: StoreBackend,
+                  error: RendezvousConnectionError) -> None:
+    """The store went silent or away while a node that starts made its first calls on it (its
+    liveness key, its spare connection): between its connect and these, the host was stopped
+    (a frozen container, a supervisor's pause) or lost. A node that does not host a store it
+    found among several endpoints is in no round yet: its first ``next_rendezvous`` looks the
+    store up again (``_follow``, up to ``join_timeout``), as after any loss, instead of failing
+    the agent's start. Any other error stands (raised again)."""
+    s = h._settings
+    if not (s.failover and backend.name == "elasticstore" and backend.server is None
+            and len(s.endpoints) > 1 and isinstance(error.__cause__, StoreNetworkError)):
+        raise error
+    log.warning("rendezvous %s: %s; looking the store up again among %s at the first join",
+                s.run_id, error, ", ".join(s.endpoints))
+    if h._lost is None:
+        h._lost = error
+
+
 def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
     """This node hosted a store that ``record``'s outranks (``AgentSide._outranked``): it joins
     that store as a member."""
@@ -142,8 +161,13 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
         endpoints = settings.member_endpoints()
         found = find_host(endpoints, h._keys, settings.store_token)
         if found is not None:
-            backend = connect_native_backend(settings, *found.address, first_wait=FAILOVER_WAIT)
-            h._attach(backend)
+            try:  # it may have gone silent again since it answered the look-up: look again
+                h._attach(connect_native_backend(settings, *found.address,
+                                                 first_wait=FAILOVER_WAIT))
+            except StoreNetworkError as exc:
+                log.info("the store at %s did not answer (%s): looking again", found.endpoint, exc)
+                found = None
+        if found is not None:
             h._carried.host = found
             h._moves.append(found)
             log.warning("rendezvous %s: the store moved to %s (epoch %d)", settings.run_id,
