@@ -159,7 +159,7 @@ class Peer:
     skips: dict = field(default_factory=dict)  # section -> why this peer is not measured there
     max_clients: int = 0  # throughput above this many clients is skipped (0: no limit)
     # Set when the client cannot be used in a forked copy of the measuring process: its client
-    # processes are forked by a fresh interpreter that runs this first (workers.py, ``fresh=``).
+    # processes are forked by a fresh interpreter that runs this once (workers.py, ``fresh=``).
     fresh_children: Optional[Callable[[], None]] = None
 
     def skip(self, section: str, n: int = 0) -> Optional[str]:

@@ -51,7 +51,7 @@ def render(res: dict, quick: bool) -> str:
     L.append("- every server runs in its own process; clients are processes forked from the "
              "measuring process after `import torch, elasticstore` (pages shared), the same "
              "way for every peer but etcd, whose gRPC client does not survive a fork: its client "
-             "processes are forked by a fresh interpreter that imported the client once; "
+             "processes are forked by a fresh interpreter that imported the client once for the run; "
              "storm/barrier clients are threads in up to "
              f"{res['sizes']['max_procs']} such processes")
     L.append("- peers take turns (latency in 4 slices per op, throughput in "

@@ -7,8 +7,9 @@ through a pipe; the parent kills and reaps every child on any error or timeout.
 A client that cannot live in a forked copy of the measuring process (etcd's: gRPC, whose state
 does not survive a fork without its fork support, and whose fork handlers can block ``fork()``
 for good: the measuring process runs with them off, see etcd_peer.py) gets its children from a
-fresh interpreter instead (``fresh=``: ``fresh_child.py``, started by fork + exec, forks them
-after importing the client once): the same protocol, the same pipes.
+fresh interpreter instead (``fresh=``: ``fresh_child.py``, started by fork + exec once per run
+and client, imports the client once and forks children on request, the pipes handed over with
+SCM_RIGHTS): the same protocol, the same pipes.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import os
 import pickle
 import selectors
 import signal
+import socket
 import struct
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable, NoReturn, Optional
 
 import procs
@@ -51,12 +54,19 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
 
 
 FRESH_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fresh_child.py")
+FRESH_TIMEOUT = 120.0  # s for the fresh interpreter to answer (its start imports torch)
+_MAX_REPLY = 1 << 20
+
+
+def error_frame() -> bytes:
+    """The exception being handled, as the "E" frame a reader raises ``ChildFailed`` from."""
+    msg = traceback.format_exc().encode()
+    return b"E" + struct.pack("<I", len(msg)) + msg
 
 
 def send_error(w: int) -> None:
     """In a child: the exception being handled, as the "E" frame its parent's reader raises."""
-    msg = traceback.format_exc().encode()
-    os.write(w, b"E" + struct.pack("<I", len(msg)) + msg)
+    os.write(w, error_frame())
 
 
 def child_main(w: int, fn, args: tuple) -> NoReturn:
@@ -77,37 +87,100 @@ def child_main(w: int, fn, args: tuple) -> NoReturn:
         os._exit(code)
 
 
-def _exec_fresh(prepare: Callable[[], None], entries: list, keep: list) -> NoReturn:
-    """In a forked child that must not run Python code of the parent's: execs fresh_child.py,
-    which runs ``prepare()`` and then each entry (fn, w, args) in a child of its own. ``keep``:
-    the descriptors that it inherits (the entries' pipes and what their args name)."""
-    w = entries[0][1]
-    try:
-        procs.set_pdeathsig()  # kept across exec
-        payload = os.memfd_create("bench-fresh-child", 0)  # no MFD_CLOEXEC: inherited
-        os.write(payload, pickle.dumps((prepare, entries)))
-        os.lseek(payload, 0, os.SEEK_SET)
-        for fd in keep:
-            os.set_inheritable(fd, True)
-        writers = ",".join(str(e[1]) for e in entries)
-        os.execv(sys.executable, [sys.executable, FRESH_SCRIPT, str(payload), writers])
-    except BaseException:
+@dataclass(frozen=True)
+class Fd:
+    """In a fresh child's args: the ``index``-th descriptor handed over with the request."""
+
+    index: int
+
+
+class _Forker:
+    """The measuring process's end of one fresh interpreter (``fresh_child.py`` says how it
+    works): started at the first use of its ``prepare``, kept for the run, killed at exit."""
+
+    def __init__(self, prepare: Callable[[], None]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # must not run Python code of the parent's: exec at once
+            try:
+                ours.close()
+                procs.set_pdeathsig()  # kept across exec
+                os.set_inheritable(theirs.fileno(), True)
+                os.execv(sys.executable, [sys.executable, FRESH_SCRIPT, str(theirs.fileno())])
+            finally:
+                os._exit(1)
+        theirs.close()
+        procs._CHILDREN.add(pid)
+        self.pid, self.conn = pid, ours
+        ours.settimeout(FRESH_TIMEOUT)
         try:
-            send_error(w)
-        finally:
-            os._exit(1)
+            self._ask(pickle.dumps(prepare), [])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kills it (its children die with it: PR_SET_PDEATHSIG) and reaps it."""
+        self.conn.close()
+        reap(self.pid, kill=True)
+
+    def _ask(self, msg: bytes, fds: list[int]) -> bytes:
+        socket.send_fds(self.conn, [msg], fds)
+        reply = self.conn.recv(_MAX_REPLY)
+        if not reply:
+            raise ChildFailed("the fresh interpreter that forks the children exited")
+        if reply[:1] == b"E":
+            raise ChildFailed(reply[5:].decode(errors="replace"))
+        return reply
+
+    def fork(self, entries: list, fds: list[int]) -> list[int]:
+        """Forks a child per entry ``(fn, w, args)``: ``w`` and each ``Fd`` in ``args`` index
+        ``fds`` (handed over; the caller still closes its own); returns their pids."""
+        return pickle.loads(self._ask(pickle.dumps(("fork", entries)), fds))
+
+    def reap(self, pid: int) -> None:
+        self._ask(pickle.dumps(("reap", [pid])), [])
+
+
+_FORKERS: dict[Callable[[], None], _Forker] = {}
+_FRESH_KIDS: dict[int, _Forker] = {}  # a fresh interpreter's children: reaped by it
+
+
+def _fresh_fork(prepare: Callable[[], None], entries: list, fds: list[int]) -> list[int]:
+    """Forks ``entries`` from the fresh interpreter of ``prepare`` (started on first use; one
+    that failed is replaced at the next call)."""
+    forker = _FORKERS.get(prepare)
+    try:
+        if forker is None:
+            forker = _FORKERS[prepare] = _Forker(prepare)
+        pids = forker.fork(entries, fds)
+    except BaseException:
+        gone = _FORKERS.pop(prepare, None)
+        if gone is not None:
+            gone.close()
+        raise
+    for pid in pids:
+        _FRESH_KIDS[pid] = forker
+    return pids
 
 
 def fork_child(fn, *args, fresh: Optional[Callable[[], None]] = None) -> tuple[int, int]:
     """Forks a child running fn(write_fd, *args); returns (pid, read_fd). The child dies with us.
-    ``fresh``: the child runs in a fresh interpreter that calls ``fresh()`` first (fn and args
-    must then be picklable: module-level functions and plain values)."""
+    ``fresh``: the child is forked by a fresh interpreter that called ``fresh()`` first (fn and
+    args must then be picklable: module-level functions and plain values)."""
     r, w = os.pipe()
+    if fresh is not None:
+        try:
+            (pid,) = _fresh_fork(fresh, [(fn, 0, args)], [w])
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        return pid, r
     pid = os.fork()
     if pid == 0:  # child
         os.close(r)
-        if fresh is not None:
-            _exec_fresh(fresh, [(fn, w, args)], [w])
         child_main(w, fn, args)
     os.close(w)
     procs._CHILDREN.add(pid)
@@ -115,6 +188,15 @@ def fork_child(fn, *args, fresh: Optional[Callable[[], None]] = None) -> tuple[i
 
 
 def reap(pid: int, kill: bool = False) -> None:
+    forker = _FRESH_KIDS.pop(pid, None)
+    if forker is not None:  # not our child: its pid stays its forker's until reaped there
+        try:
+            if kill:
+                os.kill(pid, signal.SIGKILL)
+            forker.reap(pid)
+        except (OSError, ChildFailed):
+            pass  # the fresh interpreter is gone: its children died with it
+        return
     try:
         if kill:
             os.kill(pid, signal.SIGKILL)
@@ -176,19 +258,21 @@ def run_workers(fn, args_list: list, timeout: float, on_ready=None,
         if fresh is None:
             for args in args_list:
                 kids.append(fork_child(_ready_child, fn, go_r, go_w, start_fd, *args))
-        else:
+        else:  # the fresh interpreter forks every child (go_r and start_fd handed over too)
             pipes = [os.pipe() for _ in args_list]
-            entries = [(_ready_child, w, (fn, go_r, -1, start_fd, *args))
-                       for (_, w), args in zip(pipes, args_list)]
-            pid = os.fork()
-            if pid == 0:  # one fresh interpreter forks every child
+            n = len(pipes)
+            entries = [(_ready_child, i, (fn, Fd(n), -1, Fd(n + 1), *args))
+                       for i, args in enumerate(args_list)]
+            try:
+                pids = _fresh_fork(fresh, entries, [w for _, w in pipes] + [go_r, start_fd])
+            except BaseException:
                 for r, _ in pipes:
                     os.close(r)
-                _exec_fresh(fresh, entries, [w for _, w in pipes] + [go_r, start_fd])
-            procs._CHILDREN.add(pid)
-            for r, w in pipes:
-                os.close(w)
-                kids.append((pid, r))
+                raise
+            finally:
+                for _, w in pipes:
+                    os.close(w)
+            kids.extend((pid, r) for pid, (r, _) in zip(pids, pipes))
         os.close(go_r)
         for _, r in kids:
             tag, _ = _recv(r, deadline)
