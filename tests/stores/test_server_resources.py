@@ -101,7 +101,15 @@ def serving(*flags: str, nofile: tuple[int, int] | None = None) -> Iterator[Serv
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.startswith("elasticstore server listening on "), line
+        if not line.startswith("elasticstore server listening on "):  # say why it did not serve
+            try:
+                code: int | None = proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            with open(log_path) as f:
+                said = f.read()[-4000:]
+            raise AssertionError(f"elasticstore-server {' '.join(flags)} did not start: stdout "
+                                 f"{line!r}, exit {code}, stderr:\n{said}")
         yield Server(proc, int(line.strip().rsplit(":", 1)[1]), log_path)
     finally:
         for s in _sockets:
