@@ -53,13 +53,12 @@ def server_binary() -> str:
 
 
 def start_server(*flags: str) -> tuple[subprocess.Popen[str], int]:
-    def child() -> None:
-        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
+    """The server raises its open-file limit to the hard limit itself. No preexec_fn: run in a
+    process that used gRPC (the test suite's workers), a child that runs Python code between
+    fork and exec can be aborted by gRPC's fork handlers (tests/stores/test_server_resources.py)."""
     proc = subprocess.Popen(
         [server_binary(), "--host", "127.0.0.1", "--port", "0", "--log-level", "error", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=child,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -90,11 +90,22 @@ class Agents:
         return found
 
     def all_pids(self) -> list[int]:
+        """The recorded workers and their children (``start-*.json``) that still run as the
+        process recorded: a pid whose process started after its record was written names
+        another process now (a long run wraps the pid numbers around: another test's server, say),
+        and is left out, so that no clean-up waits for it or kills it."""
         pids = []
-        for s in self.starts():
-            pids.append(s["pid"])
-            if "child" in s:
-                pids.append(s["child"])
+        for path in glob.glob(os.path.join(self.dir, "start-*.json")):
+            written = os.stat(path).st_mtime
+            with open(path) as f:
+                s = json.load(f)
+            for key in ("pid", "child"):
+                pid, ticks = s.get(key), s.get(f"{key}_ticks")
+                now = start_ticks(pid) if pid is not None else None
+                if now is None:
+                    continue
+                if now == ticks or (ticks is None and _BOOT + now / _TICKS <= written + _SLACK):
+                    pids.append(pid)
         return pids
 
     def inits(self, attempt: int | None = None) -> dict[int, float]:
@@ -130,6 +141,32 @@ def events(log_dir: str) -> list[dict[str, Any]]:
     return found
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+_SLACK = 5.0  # s: a record without its process's start time: the boot time is known to the second
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    raise RuntimeError("no btime in /proc/stat")
+
+
+_BOOT = _boot_time()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When the process now at ``pid`` started, in clock ticks since boot (what names it, with
+    its pid: pids are reused); None when none runs there (a zombie included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -139,14 +176,20 @@ def alive(pid: int) -> bool:
 
 
 def assert_gone(pids: list[int], within: float) -> float:
-    """Waits until none of ``pids`` runs; returns how long it took."""
+    """Waits until none of ``pids`` runs; returns how long it took. Each pid is followed as the
+    process it names at the call (its start time): one that ends and whose pid a new process
+    takes meanwhile counts as gone, and only the processes followed are killed at the end."""
+    born = {p: start_ticks(p) for p in pids}
+
+    def running() -> list[int]:
+        return [p for p, t in born.items() if t is not None and start_ticks(p) == t]
+
     start = time.monotonic()
     while time.monotonic() - start < within:
-        left = [p for p in pids if alive(p)]
-        if not left:
+        if not running():
             return time.monotonic() - start
         time.sleep(0.02)
-    left = [p for p in pids if alive(p)]
+    left = running()
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

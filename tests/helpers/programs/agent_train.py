@@ -15,6 +15,17 @@ _STARTED = time.time()
 _PRELOADED = "torch" in sys.modules
 
 
+def _start_ticks(pid: str) -> int | None:
+    """When process ``pid`` ("self", or a number) started, in clock ticks since boot: with the
+    pid, what names the process for the tests' clean-up (``agent_nodes.Agents.all_pids``: pids
+    are reused). None where /proc does not show it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main() -> None:
     import argparse
 
@@ -32,7 +43,7 @@ def main() -> None:
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ELASTICSTORE_ATTEMPT") or os.environ["TORCHELASTIC_RESTART_COUNT"])
     forked = os.environ.get("ELASTICSTORE_FORKED_AT")
     info = {
-        "pid": os.getpid(), "rank": rank, "attempt": attempt, "preloaded": _PRELOADED,
+        "pid": os.getpid(), "pid_ticks": _start_ticks("self"), "rank": rank, "attempt": attempt, "preloaded": _PRELOADED,
         "fork_to_main": _STARTED - float(forked) if forked else None, "name": __name__,
         "argv": sys.argv, "local_rank_arg": args.local_rank, "file": __file__, "world": int(os.environ["WORLD_SIZE"]),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHELASTIC", "ELASTICSTORE",
@@ -42,6 +53,7 @@ def main() -> None:
         import subprocess
 
         info["child"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+        info["child_ticks"] = _start_ticks(str(info["child"]))
     path = os.path.join(args.dir, f"start-{attempt}-{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(info, f)
