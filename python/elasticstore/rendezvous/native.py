@@ -145,11 +145,22 @@ def _find_run(settings: RendezvousSettings) -> HostRecord | None:
 
 def _join_listed(settings: RendezvousSettings) -> NativeBackend:
     """A node that does not host, given several endpoints: the store that moved (``_find_run``)
-    or the first entry's; when neither answers (the host lost while this node starts, or not
-    started yet), it looks again until ``join_timeout``, as the others may be switching."""
+    or the first entry's (``_run_store``)."""
+    backend = _run_store(settings, first_entry=True)
+    assert backend is not None
+    return backend
+
+
+def _run_store(settings: RendezvousSettings, first_entry: bool) -> NativeBackend | None:
+    """A backend on the store that moved (``_find_run``); where none moved, on the first
+    entry's store (``first_entry``), or None (the first entry's node, which then hosts). When
+    that store does not answer (its host stopped or lost since the look-up, or not started yet),
+    it looks again until ``join_timeout``, as the others may be switching."""
     deadline = time.monotonic() + settings.join_timeout
     for _ in range(1 << 20):
         moved = _find_run(settings)
+        if moved is None and not first_entry:
+            return None
         host, port = moved.address if moved is not None else (settings.address, settings.port)
         wait = max(0.5, min(settings.store_timeout, deadline - time.monotonic()))
         try:
@@ -166,30 +177,6 @@ def _join_listed(settings: RendezvousSettings) -> NativeBackend:
             backend.endpoint = settings.endpoint
         else:
             log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
-        return backend
-    raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
-
-
-def _find_moved(settings: RendezvousSettings) -> NativeBackend | None:
-    """Where the first entry's node starts: a backend on the store that moved (``_find_run``),
-    or None (no store moved: it hosts). A moved store that does not answer when connected to
-    (its host stopped again since the look-up) is looked up again, up to ``join_timeout``."""
-    deadline = time.monotonic() + settings.join_timeout
-    for _ in range(1 << 20):
-        moved = _find_run(settings)
-        if moved is None:
-            return None
-        try:
-            backend = connect_native_backend(settings, *moved.address)
-        except StoreNetworkError as exc:
-            if time.monotonic() >= deadline:
-                raise RendezvousConnectionError(
-                    f"rendezvous {settings.run_id!r}: the store moved to {moved.endpoint} "
-                    f"(epoch {moved.epoch}), which did not answer within join_timeout "
-                    f"{settings.join_timeout:g}s: {exc}") from exc
-            log.info("the store at %s did not answer (%s): looking again", moved.endpoint, exc)
-            continue
-        log.info("the rendezvous store moved to %s (epoch %d)", moved.endpoint, moved.epoch)
         return backend
     raise RendezvousConnectionError(f"rendezvous {settings.run_id!r}: no store found")
 
@@ -215,7 +202,7 @@ def create_native_backend(settings: RendezvousSettings) -> NativeBackend:
     if settings.failover and len(settings.endpoints) > 1 and not _should_host(settings):
         return _join_listed(settings)
     if settings.failover and len(settings.endpoints) > 1:
-        moved = _find_moved(settings)
+        moved = _run_store(settings, first_entry=False)
         if moved is not None:
             return moved
     if _should_host(settings):
