@@ -9,6 +9,7 @@ the disk checkpoint (source "disk"). Every test runs its agents with their own s
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
@@ -24,7 +25,8 @@ import pytest
 from agent_nodes import Agents, agents, alive, assert_gone, free_port, node_flags, until
 from paths import program
 
-from elasticstore.agent.snapshots import CREATING, OWNER, PREFIX, ROOT_ENV, remove_stale
+from elasticstore.agent.snapshots import (CREATING, CREATING_GRACE_S, OWNER, PREFIX, ROOT_ENV,
+                                          remove_stale)
 
 TRAIN = program("snapshot_train.py")
 CONF = ["--rdzv-conf", "last_call_timeout=1"]
@@ -186,15 +188,19 @@ def test_agent_sigkilled_leaves_nothing_in_shared_memory(tmp_path: Path, shm_roo
 def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
     """What the next agent's start does when a reaper was killed too: an area whose owner lock
     nobody holds (its owner is gone) is removed, also one left half made; one whose lock a running
-    process holds is kept, and so is a directory with no owner file (not judged)."""
+    process holds is kept, and so is a directory with no owner file (not judged), and one being
+    made now whose owner file is not locked yet (another agent starting at the same moment: it
+    was once locked here, and that agent failed its start, "cannot lock")."""
     hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
             "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
             "sys.stdin.read() if sys.argv[2] == 'wait' else None")
     dead, live, legacy = (os.path.join(shm_root, f"{PREFIX}job.{n}") for n in ("a", "b", "c"))
     half_made = os.path.join(shm_root, f"{CREATING}d")  # its agent died before renaming it
-    for d in (dead, live, legacy, half_made):
+    being_made = os.path.join(shm_root, f"{CREATING}e")  # its agent has not locked it yet
+    for d in (dead, live, legacy, half_made, being_made):
         os.mkdir(d)
         Path(d, "step-000000000001.local-0.snap").write_bytes(b"x")
+    Path(being_made, OWNER).touch()
     owners = [subprocess.Popen([sys.executable, "-c", hold, os.path.join(d, OWNER), how],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
               for d, how in ((dead, "exit"), (live, "wait"), (half_made, "exit"))]
@@ -202,8 +208,15 @@ def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
         for proc in owners:
             assert proc.stdout is not None and proc.stdout.readline() == b"locked\n"
         assert owners[0].wait(10) == 0 and owners[2].wait(10) == 0
+        made_at = time.time() - CREATING_GRACE_S - 10
+        os.utime(half_made, (made_at, made_at))  # died a while ago
         assert sorted(remove_stale(shm_root)) == sorted([dead, half_made])
         assert not os.path.exists(dead) and os.path.exists(live) and os.path.exists(legacy)
+        fd = os.open(os.path.join(being_made, OWNER), os.O_RDWR)
+        try:  # untouched: its agent takes the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
     finally:
         for proc in owners:
             assert proc.stdin is not None and proc.stdout is not None
@@ -212,6 +225,7 @@ def test_stale_directories_of_dead_agents_are_removed(shm_root: str) -> None:
             proc.stdout.close()
         shutil.rmtree(live, ignore_errors=True)
         shutil.rmtree(legacy, ignore_errors=True)
+        shutil.rmtree(being_made, ignore_errors=True)
 
 
 def test_tensors_of_every_kind_and_plain_objects_round_trip(shm_root: str) -> None:

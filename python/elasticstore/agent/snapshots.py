@@ -51,7 +51,12 @@ ROOT_ENV = "ELASTICSTORE_SNAPSHOT_ROOT"  # where the agent creates its directory
 DEFAULT_ROOT = "/dev/shm"
 PREFIX = "elasticstore-snapshots."
 OWNER = ".owner"  # the file whose flock the owning agent holds
-CREATING = ".elasticstore-creating."  # a directory not yet locked (never judged stale)
+CREATING = ".elasticstore-creating."  # a directory not yet locked (judged after CREATING_GRACE_S)
+# An agent takes its lock a moment after making its directory: another agent starting then (the
+# nodes of one machine, or containers sharing /dev/shm) must not take the unlocked owner file for
+# a dead agent's, lock it, and fail the first agent's start ("cannot lock"); a directory still
+# being made is judged once it is older than this.
+CREATING_GRACE_S = 60.0
 REMOVE_FOR_S = 30.0  # how long removal retries while workers still write (they die with the agent)
 
 
@@ -85,7 +90,8 @@ def _lock(path: str, create: bool) -> int | None:
 def remove_stale(root: str) -> list[str]:
     """Removes this user's areas under ``root`` whose owner lock nobody holds (their agent and
     reaper are gone, in whatever PID namespace they ran; also one an agent was making when it
-    died); returns them. A directory without an owner file is not judged."""
+    died, once older than ``CREATING_GRACE_S``); returns them. A directory without an owner file
+    is not judged."""
     removed = []
     try:
         names = [n for n in os.listdir(root) if n.startswith((PREFIX, CREATING))]
@@ -94,10 +100,13 @@ def remove_stale(root: str) -> list[str]:
     for name in names:
         path = os.path.join(root, name)
         try:
-            if os.lstat(path).st_uid != os.getuid():
-                continue
+            st = os.lstat(path)
         except OSError:
             continue
+        if st.st_uid != os.getuid():
+            continue
+        if name.startswith(CREATING) and time.time() - st.st_mtime < CREATING_GRACE_S:
+            continue  # being made: its agent may not hold its lock yet
         fd = _lock(path, create=False)
         if fd is None:
             continue  # alive (locked), or no owner file: not judged
