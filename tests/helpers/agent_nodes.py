@@ -168,11 +168,7 @@ def start_ticks(pid: int) -> int | None:
 
 
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return start_ticks(pid) is not None
 
 
 def assert_gone(pids: list[int], within: float) -> float:
