@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedStateError", "refuse_sharded", "sharded_path", "sharded_types"]
+__all__ = ["ShardedStateError", "has_sharded_tensor", "refuse_sharded", "sharded_path",
+           "sharded_types"]
 
 
 class ShardedStateError(ValueError):
@@ -88,3 +89,22 @@ def refuse_sharded(state: Any, what: str, where: str | None = None) -> None:
         "snapshot the full state dict, the same on every rank (get_state_dict(..., "
         "options=StateDictOptions(full_state_dict=True)), loaded back with set_state_dict and "
         "the same options)")
+
+
+def has_sharded_tensor(state: Any) -> bool:
+    """Whether ``state`` holds a ``ShardedTensor`` (refused; DTensors are snapshotted)."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return False
+    todo, seen = [state], 0
+    while todo and seen < 100_000:
+        obj = todo.pop()
+        seen += 1
+        if isinstance(obj, ShardedTensor):
+            return True
+        if isinstance(obj, Mapping):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return False

@@ -18,7 +18,8 @@ from ..._lazy import lazy_names
 if TYPE_CHECKING:
     from .errors import ShardedStateError, SnapshotMismatchError, SnapshotSpaceError
     from .restore import Restored
-    from .writer import KEEP_PER_RANK, SNAPSHOT_DIR_ENV, SnapshotSettings, Snapshots
+    from .settings import SNAPSHOT_DIR_ENV, SnapshotSettings
+    from .writer import KEEP_PER_RANK, Snapshots
 
 # Each public name and the submodule that defines it.
 _SOURCES = {
@@ -27,8 +28,8 @@ _SOURCES = {
     "SnapshotSpaceError": ".errors",
     "Restored": ".restore",
     "KEEP_PER_RANK": ".writer",
-    "SNAPSHOT_DIR_ENV": ".writer",
-    "SnapshotSettings": ".writer",
+    "SNAPSHOT_DIR_ENV": ".settings",
+    "SnapshotSettings": ".settings",
     "Snapshots": ".writer",
 }
 

@@ -47,8 +47,8 @@ from .copying import copy_into
 from .errors import SnapshotSpaceError
 from ..sharded import refuse_sharded, sharded_types
 
-__all__ = ["Buffer", "Encoded", "decode", "encode", "list_snapshots", "prepare", "read_snapshot",
-           "snapshot_name"]
+__all__ = ["Buffer", "Encoded", "decode", "encode", "encode_finish", "encode_start",
+           "list_snapshots", "prepare", "read_snapshot", "snapshot_name"]
 
 _MAGIC = b"ESNAP\x00\x02\x00"
 _NO_MAGIC = bytes(8)  # a header whose snapshot is being overwritten
@@ -315,16 +315,29 @@ class _NoSuchType:
 
 def encode(enc: Encoded, step: int, buf: Buffer) -> int:
     """Copies ``enc`` into ``buf`` as the snapshot of ``step``; returns its size in bytes."""
-    total, skel_offset = enc.total, enc.skel_offset
-    mm = buf.mapped(total)
-    mm[:_NO_MAGIC_LEN] = _NO_MAGIC  # first: a reader of the snapshot held here sees it change
+    views = encode_start(enc, buf)
     if enc.tensors:
-        copy_into(buf.views(enc.layout, enc.data_size, total), enc.tensors, enc.data_size,
-                  enc.on_cpu)
-    mm[skel_offset:total] = enc.skeleton
-    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, enc.data_size, skel_offset, len(enc.skeleton))
+        copy_into(views, enc.tensors, enc.data_size, enc.on_cpu)
+    return encode_finish(enc, step, buf)
+
+
+def encode_start(enc: Encoded, buf: Buffer) -> list[torch.Tensor]:
+    """``encode`` up to the tensors' copy: the memory mapped and marked as holding no snapshot,
+    the skeleton in place; returns the views to copy ``enc.tensors`` into, then
+    ``encode_finish``."""
+    mm = buf.mapped(enc.total)
+    mm[:_NO_MAGIC_LEN] = _NO_MAGIC  # first: a reader of the snapshot held here sees it change
+    mm[enc.skel_offset:enc.total] = enc.skeleton
+    return buf.views(enc.layout, enc.data_size, enc.total) if enc.tensors else []
+
+
+def encode_finish(enc: Encoded, step: int, buf: Buffer) -> int:
+    """The header, once every tensor is copied: the snapshot of ``step`` is complete."""
+    mm = buf.mapped(enc.total)
+    mm[:_HEADER.size] = _HEADER.pack(_MAGIC, step, enc.data_size, enc.skel_offset,
+                                     len(enc.skeleton))
     buf.step = step
-    return total
+    return enc.total
 
 
 def _decode_bytes(mm: mmap.mmap, size: int, clone: bool = True) -> tuple[int, Any, Any]:

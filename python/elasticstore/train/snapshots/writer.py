@@ -43,53 +43,32 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from .disk import DiskWriter
-from ..sharded import sharded_path
+from ..sharded import has_sharded_tensor, sharded_path
 from .errors import ShardedStateError, SnapshotSpaceError
 from .checkpoint_mark import mark
 from .hold import HoldReader
-from .fileformat import (Buffer, encode, list_snapshots, prepare, read_skipped, snapshot_name,
-                         stale_tmp_files, tmp_name, write_skipped)
+from .overlap import PendingCopy, background_part, note_pending, watch_optimizers
+from .copying import copy_into
+from .fileformat import (Buffer, encode_finish, encode_start, list_snapshots, prepare,
+                         read_skipped, snapshot_name, stale_tmp_files, tmp_name, write_skipped)
 from .identity import Identity, this_rank
 from .restore import Restored, restore
+from .settings import SNAPSHOT_DIR_ENV, SnapshotSettings
 
 __all__ = ["KEEP_PER_RANK", "SNAPSHOT_DIR_ENV", "SnapshotSettings", "Snapshots"]
 
-SNAPSHOT_DIR_ENV = "ELASTICSTORE_SNAPSHOT_DIR"
 KEEP_PER_RANK = 2  # complete snapshots kept per local rank (older ones are reused or freed)
 
 State = Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class SnapshotSettings:
-    """Where snapshots go: the agent's directory (None: the process's own memory) and the local
-    rank whose files this process writes."""
-
-    directory: str | None
-    local_rank: int
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SnapshotSettings:
-        env = os.environ if env is None else env
-        directory = env.get(SNAPSHOT_DIR_ENV) or None
-        if directory is not None and not os.path.isdir(directory):
-            warnings.warn(f"{SNAPSHOT_DIR_ENV}={directory} is not a directory: snapshots stay in "
-                          "this process's memory", RuntimeWarning, stacklevel=3)
-            directory = None
-        try:
-            local_rank = int(env.get("LOCAL_RANK", "0"))
-        except ValueError as err:
-            raise ValueError(f"LOCAL_RANK={env.get('LOCAL_RANK')!r} is not an integer") from err
-        return cls(directory, local_rank)
 
 
 class Snapshots:
@@ -102,12 +81,13 @@ class Snapshots:
     the same on every rank (default); per-rank state (False) is restored only to the rank that
     took it, at the same world size, and has no disk checkpoints here. ``settings``: default from
     the environment. Use as a context manager, or call ``close`` (it waits for the disk
-    checkpoint being written)."""
+    checkpoint being written). ``overlap``: copy an optimizer's tensors of a large CPU state while
+    the next step computes (``overlap.py``; False: every copy blocks ``snapshot``)."""
 
     def __init__(self, *, every: int = 1, checkpoint_dir: str | os.PathLike[str] | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 2,
                  write_checkpoints: bool | None = None, replicated: bool = True,
-                 settings: SnapshotSettings | None = None) -> None:
+                 settings: SnapshotSettings | None = None, overlap: bool = True) -> None:
         if every < 0 or checkpoint_every < 0:
             raise ValueError(f"every ({every}) and checkpoint_every ({checkpoint_every}) must be >= 0")
         if checkpoint_dir is not None and checkpoint_every < 1:
@@ -129,7 +109,14 @@ class Snapshots:
                       if self.checkpoint_dir is not None else None)
         self._sharded = False  # the state held DTensors (its snapshots are sharded)
         self.last_copy_s = 0.0  # how long the latest snapshot blocked its step
+        self.last_wait_s = 0.0  # how long the latest background copy was waited for
+        self.last_background_bytes = 0  # what the latest snapshot left to copy in the background
         self.last_bytes = 0
+        self.overlap = overlap
+        self._pending: PendingCopy | None = None  # a copy running in the background
+        self._settling = threading.Lock()
+        if overlap:
+            watch_optimizers()
         self._published: list[Buffer] | None = None  # oldest first (None: not listed yet)
         self._tmp: tuple[str | None, str | None] = ("", None)  # (directory, temporary path)
         self._rank: tuple[int, int] | None = None  # (global rank, world size), at the first snapshot
@@ -154,11 +141,13 @@ class Snapshots:
     def snapshot(self, state: State | Callable[[], State], step: int) -> bool:
         """Copies ``state`` (a dict of tensors and plain, picklable Python objects; or a function
         returning it, called only when due) as the snapshot of ``step`` when ``due(step)``;
-        returns whether it did. Blocks for the copy; the disk checkpoint of the step, when one
-        is due, is written in the background. DTensors are stored as this rank's shards (see the
-        module); ``ShardedStateError`` for a ``ShardedTensor`` (nothing is written)."""
+        returns whether it did. Blocks for the copy (an optimizer's tensors of a large CPU state:
+        until that optimizer's next step, see ``overlap.py``); the disk checkpoint of the step,
+        when one is due, is written in the background. DTensors are stored as this rank's shards
+        (see the module); ``ShardedStateError`` for a ``ShardedTensor`` (nothing is written)."""
         if self._closed:
             raise RuntimeError("Snapshots is closed")
+        self.settle()
         self._raise_disk_error()
         if not self.due(step):
             return False
@@ -176,7 +165,7 @@ class Snapshots:
             try:
                 enc = prepare(value, Identity(step, rank, world, self.replicated).to_dict())
             except ShardedStateError:
-                if _has_sharded_tensor(value):
+                if has_sharded_tensor(value):
                     raise
                 sharded = True
         self._sharded = sharded
@@ -189,13 +178,73 @@ class Snapshots:
         except SnapshotSpaceError as err:
             self._no_room(err)
             buf = self._write(enc, step)
+        self.last_copy_s = time.perf_counter() - started
+        if buf is not None:
+            self._publish(buf, step)
+        return True
+
+    def _write(self, enc: Any, step: int) -> Buffer | None:
+        """Copies ``enc`` into a buffer: returns it, complete; None when part of the copy runs
+        in the background (``settle`` publishes it)."""
+        buf = self._take_buffer(step)
+        try:
+            views = encode_start(enc, buf)
+            part = background_part(enc) if self.overlap else None
+            self.last_background_bytes = 0
+            if part is None:
+                if enc.tensors:
+                    copy_into(views, enc.tensors, enc.data_size, enc.on_cpu)
+                self.last_bytes = encode_finish(enc, step, buf)
+                buf.rename(self._path(snapshot_name(step, self.settings.local_rank)))
+                return buf
+            self._pending = PendingCopy(buf, enc, step, views, part)  # the other tensors copied
+            self.last_background_bytes = self._pending.nbytes
+        except BaseException:
+            buf.free()
+            raise
+        note_pending(self, True)
+        return None
+
+    def settle(self) -> None:
+        """Waits for the background copy of the latest snapshot, if one runs, and publishes that
+        snapshot; discards it (and copies everything before returning from then on, warning)
+        when a tensor it copied changed meanwhile. Called by the optimizers' step pre-hook,
+        ``snapshot``, ``flush``, ``close`` and ``restore``."""
+        with self._settling:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            note_pending(self, False)
+            started = time.perf_counter()
+            try:
+                pending.wait()
+            except BaseException:
+                pending.buf.free()
+                raise
+            finally:
+                self.last_wait_s = time.perf_counter() - started
+            changed = pending.changed()
+            if changed:
+                pending.buf.free()
+                self.overlap = False
+                warnings.warn(f"the snapshot of step {pending.step} was discarded: {changed} "
+                              "optimizer tensors changed in place outside the optimizer's step "
+                              "while they were copied; from now on snapshot() copies everything "
+                              "before it returns (Snapshots(overlap=False) says so)",
+                              RuntimeWarning, stacklevel=3)
+                return
+            self.last_bytes = encode_finish(pending.enc, pending.step, pending.buf)
+            pending.buf.rename(self._path(snapshot_name(pending.step, self.settings.local_rank)))
+            self._publish(pending.buf, pending.step)
+
+    def _publish(self, buf: Buffer, step: int) -> None:
+        """Lists ``buf``, step ``step``'s complete snapshot; submits its disk checkpoint if due."""
         assert self._published is not None
         if self._disk is not None:
             with self._disk.lock:
                 self._published.append(buf)
         else:
             self._published.append(buf)
-        self.last_copy_s = time.perf_counter() - started
         if self._disk is not None and step % self.checkpoint_every == 0 \
                 and (self._sharded or self.write_checkpoints):
             if not self._flushing_at_exit:
@@ -208,17 +257,6 @@ class Snapshots:
                 if self._skipped_before is None:  # by the earlier workers of this local rank
                     self._skipped_before = read_skipped(d, self.settings.local_rank)
                 write_skipped(d, self.settings.local_rank, self._skipped_before + self._disk.skipped)
-        return True
-
-    def _write(self, enc: Any, step: int) -> Buffer:
-        buf = self._take_buffer(step)
-        try:
-            self.last_bytes = encode(enc, step, buf)
-            buf.rename(self._path(snapshot_name(step, self.settings.local_rank)))
-        except BaseException:
-            buf.free()
-            raise
-        return buf
 
     def _no_room(self, err: SnapshotSpaceError) -> None:
         """The snapshot directory is full: warn once, remove this rank's snapshots from it, and
@@ -306,7 +344,8 @@ class Snapshots:
             warnings.warn(str(err), RuntimeWarning, stacklevel=1)
 
     def flush(self) -> None:
-        """Waits until the disk checkpoints due so far are written."""
+        """Waits until the snapshots and disk checkpoints due so far are written."""
+        self.settle()
         if self._disk is not None:
             self._disk.flush()
         if self._flushing_at_exit:
@@ -320,7 +359,7 @@ class Snapshots:
         if self._closed:
             return
         try:
-            self.flush()
+            self.flush()  # the background copy's snapshot published first
         finally:
             self._closed = True
             for buf in self._published or []:
@@ -347,6 +386,7 @@ class Snapshots:
         ``{"model": msd, "optim": osd}`` from ``get_state_dict``): the step is loaded into it in
         place, resharded to this world size and layout (``sharded_restore.py``); the result's
         ``state`` is the template."""
+        self.settle()
         if template is not None:
             if not isinstance(template, dict):
                 raise TypeError(f"template must be a dict (the run's state dict), not "
@@ -357,21 +397,3 @@ class Snapshots:
         return restore(self.settings.directory, self.settings.local_rank, self.checkpoint_dir,
                        self.replicated, group)
 
-
-def _has_sharded_tensor(state: Any) -> bool:
-    """Whether ``state`` holds a ``ShardedTensor`` (refused; DTensors are snapshotted)."""
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:
-        return False
-    todo, seen = [state], 0
-    while todo and seen < 100_000:
-        obj = todo.pop()
-        seen += 1
-        if isinstance(obj, ShardedTensor):
-            return True
-        if isinstance(obj, Mapping):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            todo.extend(obj)
-    return False
