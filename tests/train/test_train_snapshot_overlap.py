@@ -230,3 +230,42 @@ def test_fsdp2_sharded_state_overlaps_and_restores_exactly(tmp_path: Path) -> No
         assert_same(full(template), want)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_snapshots_plan_is_made_again_whenever_its_layout_changes() -> None:
+    """The DCP write items of a sharded snapshot are reused while the state's layout stays (every
+    step of a run) and made again when it changes: a global shape, a placement, a dtype, an entry
+    added; each time they equal the plan DCP makes for that state."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                              create_default_local_save_plan)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from elasticstore.train.snapshots.shards import to_payload
+
+    def planned(state: dict[str, Any]) -> list[Any]:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(dict(state), None, True)
+        return list(create_default_local_save_plan(planner.state_dict, True).items)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        a = {"w": distribute_tensor(torch.zeros(3, 2), mesh, [Shard(0)]), "n": 1}
+        states = [a, dict(a, n=2),
+                  dict(a, w=distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])),
+                  dict(a, w=distribute_tensor(torch.zeros(3, 2), mesh, [Replicate()])),
+                  dict(a, w=distribute_tensor(torch.zeros(3, 2, dtype=torch.float64), mesh,
+                                              [Shard(0)])),
+                  dict(a, t=torch.ones(5)), a]
+        items = []
+        for state in states:
+            payload = to_payload(state)
+            assert payload["items"] == planned(state)
+            assert payload["data"][1] == state["n"]  # the object read from this state
+            items.append(payload["items"])
+        assert items[1] is items[0]  # the same layout: the plan reused
+        assert all(items[i] is not items[i - 1] for i in range(2, len(items)))
+    finally:
+        dist.destroy_process_group()

@@ -56,9 +56,10 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 
 
 def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: int,
-              on_cpu: bool) -> None:
+              on_cpu: bool, parallel: bool = True) -> None:
     """``views[i].copy_(tensors[i])`` for every i, outside autograd (``nbytes``: their total size;
-    ``on_cpu``: whether every one of ``tensors`` is on the CPU)."""
+    ``on_cpu``: whether every one of ``tensors`` is on the CPU; ``parallel``: whether a large copy
+    may take several threads: not a copy that runs beside the training, on a core of its own)."""
     # torch.no_grad() costs a few microseconds to enter and leave: this is every step's path
     grad = torch.is_grad_enabled()
     if grad:
@@ -67,7 +68,7 @@ def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor], nbytes: in
         if not on_cpu:
             for dst, src in zip(views, tensors):
                 dst.copy_(src)
-        elif nbytes < PARALLEL_BYTES or (threads := copy_threads()) == 1:
+        elif nbytes < PARALLEL_BYTES or not parallel or (threads := copy_threads()) == 1:
             torch._foreach_copy_(views, tensors)
         else:
             _parallel(views, tensors, nbytes, threads)

@@ -170,7 +170,7 @@ class PendingCopy:
         self._sources, self._versions = src, [t._version for t in src]
         self.nbytes = sum(t.nbytes for t in src)
         self._future: Future[None] = _executor().submit(copy_into, [views[i] for i in part], src,
-                                                        self.nbytes, True)
+                                                        self.nbytes, True, False)
 
     def wait(self) -> None:
         self._future.result()  # the copy's error, if any

@@ -20,12 +20,14 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
                                                           create_default_local_save_plan)
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    Metadata, MetadataIndex,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from .errors import SnapshotMismatchError
 
@@ -41,20 +43,55 @@ def key_of(index: MetadataIndex) -> Key:
 
 def to_payload(state: Mapping[str, Any]) -> dict[str, Any]:
     """The snapshot payload of a state holding DTensors: this rank's write items and their data
-    (local shards and plain tensors as tensors, copied into the snapshot; objects as they are)."""
+    (local shards and plain tensors as tensors, copied into the snapshot; objects as they are).
+    The items are DCP's local save plan, made again only when the state's layout changed
+    (``_layout``): every step of a run has the same (about 0.1 ms per DTensor to plan)."""
+    global _plan
     planner = DefaultSavePlanner()
     planner.set_up_planner(dict(state), None, True)
     flat = planner.state_dict  # flattened: "model.layer.weight" -> value
-    plan = create_default_local_save_plan(flat, True)
+    layout = _layout(flat)
+    if layout is not None and _plan is not None and _plan[0] == layout[0]:
+        items = _plan[1]
+    else:
+        items = list(create_default_local_save_plan(flat, True).items)
+        _plan = None if layout is None else (layout[0], items, layout[1])
     data: list[Any] = []
-    for item in plan.items:
+    for item in items:
         obj = flat[item.index.fqn]
         if item.type == WriteItemType.BYTE_IO:
             data.append(obj)
+        elif isinstance(obj, DTensor):
+            data.append(obj._local_tensor.detach())  # what the planner's lookup gives: its shard
         else:
-            tensor = planner.lookup_object(item.index)
-            data.append(tensor.detach())
-    return {MARK: 1, "items": list(plan.items), "data": data}
+            data.append(planner.lookup_object(item.index).detach())
+    return {MARK: 1, "items": items, "data": data}
+
+
+# The last plan made: (layout, items, the meshes it names, kept alive so that their ids stay theirs).
+_plan: tuple[tuple[Any, ...], list[WriteItem], list[Any]] | None = None
+
+
+def _layout(flat: Mapping[str, Any]) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """What DCP's local save plan of ``flat`` depends on, entry by entry: a DTensor's global shape,
+    dtype, placements, mesh (this rank's coordinate in it) and local properties; a tensor's shape
+    and properties; an object's name. None (plan every time) for any other kind of entry that
+    plans itself."""
+    parts: list[Any] = []
+    meshes: list[Any] = []
+    for fqn, v in flat.items():
+        if isinstance(v, DTensor):
+            local = v._local_tensor
+            parts.append((fqn, 1, tuple(v.shape), v.dtype, tuple(v.placements), id(v.device_mesh),
+                          local.dtype, local.layout, local.requires_grad, local.is_pinned()))
+            meshes.append(v.device_mesh)
+        elif hasattr(v, "__create_write_items__"):
+            return None
+        elif isinstance(v, torch.Tensor):
+            parts.append((fqn, 2, tuple(v.shape), v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+        else:
+            parts.append((fqn, 3))
+    return tuple(parts), meshes
 
 
 def is_payload(state: Any) -> bool:
