@@ -7,11 +7,16 @@ neighbouring steps, so every mode runs in short blocks, in turn, in the same pro
   mode: ``off`` (no snapshot), ``snapshot`` (``Snapshots.snapshot`` of the example's state every
   step) and ``example`` (what the example does: the epoch totals' ``all_reduce`` the snapshot holds,
   started before the step, plus the snapshot).
-- ``big``: a 100 MB state (25 float32 tensors of 4 MB and plain objects) in one process, each step
-  an in-place update of every tensor and a sleep up to ``--big-step`` (the accelerator's time);
-  in turn per step: ``off``, ``snapshot``, and ``dcp.async_save`` (torch's defaults, no process
-  group, to a directory under the snapshot file system), whose call returns once the state is
-  staged (copied); its write is waited for after the step, outside the timed part.
+- ``big``: a 100 MB state (25 float32 parameters of 4 MB and plain objects) in one process, each
+  step an optimizer step (``torch.optim.SGD``, gradients set once) and then a sleep up to
+  ``step_s`` (the accelerator's time; the CPU is free), or (``work="compute"``) as many matrix
+  products on this thread as took ``step_s`` before the run (a CPU-bound step: a copy beside it
+  shows as a longer step); in turn per step: ``off``, ``snapshot`` (the default:
+  the optimizer's tensors copied while the step goes on, waited for at the next optimizer step,
+  and that wait counted as blocking), ``snapshot, overlap=False`` (every copy before ``snapshot``
+  returns), and ``dcp.async_save`` (torch's defaults, no process group, to a directory under the
+  snapshot file system), whose call returns once the state is staged (copied); its write is
+  waited for after the step, outside the timed part.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
 BLOCK = 8
 EXAMPLE_MODES = ("off", "snapshot", "example")
-BIG_MODES = ("off", "snapshot", "dcp.async_save")
+BIG_MODES = ("off", "snapshot", "snapshot, overlap=False", "dcp.async_save")
 
 
 def _example_module() -> Any:
@@ -165,46 +170,68 @@ def summarize(times: dict[str, list[float]], copies: list[float], size: int,
             "copy_p90_s": copies[int(0.9 * (len(copies) - 1))], "bytes": size}
 
 
-def run_big(steps: int, step_s: float, shm: str, mb: int = 100) -> dict[str, Any]:
-    """A ``mb`` MB state, steps of ``step_s``, in ``BIG_MODES`` per step in turn (one process)."""
+def run_big(steps: int, step_s: float, shm: str, mb: int = 100,
+            work: str = "sleep") -> dict[str, Any]:
+    """A ``mb`` MB state, steps of ``step_s`` (``work``: "sleep" or "compute"), in ``BIG_MODES``
+    per step in turn (one process)."""
     import torch.distributed.checkpoint as dcp
 
     from elasticstore.train import SnapshotSettings, Snapshots
     from elasticstore.train.snapshots.copying import copy_threads
 
+    params = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(mb // 4)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-6)
+    optim = torch.optim.SGD(params, lr=1.0)
     state: dict[str, Any] = {
-        "model": {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(mb // 4)},
+        "model": {f"layer{i}.weight": p.detach() for i, p in enumerate(params)},
         "step": 0, "sampler": {"epoch": 0, "samples_consumed": 0}, "note": "x" * 100}
-    work = tempfile.mkdtemp(dir=shm, prefix="snapshot-big-")
-    snaps = Snapshots(every=1, settings=SnapshotSettings(work, 0))
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, b)
+    reps = max(1, int(step_s / ((time.perf_counter() - t0) / 50)))  # a fixed work per step
+    work_dir = tempfile.mkdtemp(dir=shm, prefix="snapshot-big-")
+    overlapped = Snapshots(every=1, settings=SnapshotSettings(work_dir, 0))
+    blocking = Snapshots(every=1, settings=SnapshotSettings(work_dir, 1), overlap=False)
     times: dict[str, list[float]] = {m: [] for m in BIG_MODES}
     blocked: dict[str, list[float]] = {m: [] for m in BIG_MODES}
+    previous = ""
     try:
         for step in range(1, steps + 1):
             mode = BIG_MODES[step % len(BIG_MODES)]
             started = time.perf_counter()
-            with torch.no_grad():
-                for t in state["model"].values():
-                    t.add_(1e-6)
+            overlapped.last_wait_s = 0.0
+            optim.step()  # waits for the overlapped copy of the step before, if it runs
+            if previous == "snapshot":
+                blocked["snapshot"][-1] += overlapped.last_wait_s
             state["step"] = step
             t0 = time.perf_counter()
             future: Any = None  # a Future, or an AsyncSaveResponse with asynchronous staging
             if mode == "snapshot":
-                snaps.snapshot(state, step)
+                overlapped.snapshot(state, step)
+            elif mode == "snapshot, overlap=False":
+                blocking.snapshot(state, step)
             elif mode == "dcp.async_save":
-                future = dcp.async_save(state, checkpoint_id=os.path.join(work, f"dcp-{step}"),
+                future = dcp.async_save(state, checkpoint_id=os.path.join(work_dir, f"dcp-{step}"),
                                         no_dist=True)
             blocked[mode].append(time.perf_counter() - t0)
-            time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
+            if work == "compute":  # a fixed amount: a copy beside it shows as a longer step
+                for _ in range(reps):
+                    torch.mm(a, b)
+            else:
+                time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
             times[mode].append(time.perf_counter() - started)
+            previous = mode
             if future is not None:  # its write, outside the step
                 getattr(future, "upload_completion", future).result()
-                shutil.rmtree(os.path.join(work, f"dcp-{step}"), ignore_errors=True)
-        size = snaps.last_bytes
-        snaps.close()
+                shutil.rmtree(os.path.join(work_dir, f"dcp-{step}"), ignore_errors=True)
+        size = overlapped.last_bytes
+        overlapped.close()
+        blocking.close()
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return {"step_s": step_s, "copy_threads": copy_threads(),
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return {"step_s": step_s, "work": work, "copy_threads": copy_threads(),
             "median_s": {m: statistics.median(t[3:]) for m, t in times.items()},
             "blocked_median_s": {m: statistics.median(t[3:]) for m, t in blocked.items()},
             "blocked_range_s": {m: (min(t[3:]), max(t[3:])) for m, t in blocked.items()},
