@@ -159,12 +159,20 @@ def test_resharded_from_memory_and_from_disk(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # ~20-40 s on 2 shared cores
 @pytest.mark.timeout(300)
-def test_worker_killed_resumes_from_memory_bit_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hidden,resumed", [(14, 3), (120_000, 2)], ids=["copied", "overlapped"])
+def test_worker_killed_resumes_from_memory_bit_identical(tmp_path: Path, hidden: int,
+                                                         resumed: int) -> None:
+    """Rank 2 of 4 (2 nodes) SIGKILLs itself right after step 3's snapshot: the group resumes from
+    memory, bit for bit, from step 3 when the snapshot was copied before ``snapshot`` returned (a
+    small state), and from step 2 when its copy overlapped the next step (each rank's shards and
+    AdamW's state over 4 MiB: step 3's snapshot is published at the optimizer's next step, which
+    the killed rank never reached, so the ranks' newest common step is 2)."""
     workdir, port = str(tmp_path), free_port()
     root = str(tmp_path / "shm")
     os.mkdir(root)
     env = {ROOT_ENV: root}
-    args = ["--dir", workdir, "--steps", "5", "--kill-rank", "2", "--kill-at", "3"]
+    args = ["--dir", workdir, "--steps", "5", "--kill-rank", "2", "--kill-at", "3",
+            "--hidden", str(hidden)]
     with agents(workdir) as a:
         n1 = a.start(node_flags("127.0.0.2", port, "2", 2, *CONF, "--max-restarts", "1"), args,
                      name="n1", env=env, script=TRAIN)
@@ -174,8 +182,9 @@ def test_worker_killed_resumes_from_memory_bit_identical(tmp_path: Path) -> None
             assert a.wait(proc, 240) == 0, a.output(proc)[-4000:]
     got, state = restored(workdir, 1, 4)
     # from memory: the node's own, or (were the ranks placed on the other node) its peer's
-    assert got["step"] == 3 and set(got["sources"]) <= {"memory", "peer"}, got
-    assert_same(state, torch.load(os.path.join(workdir, "full-3.pt"), weights_only=False))
+    assert got["step"] == resumed and set(got["sources"]) <= {"memory", "peer"}, got
+    full = torch.load(os.path.join(workdir, f"full-{resumed}.pt"), weights_only=False)
+    assert_same(state, full)
     assert os.listdir(root) == []
 
 

@@ -12,7 +12,9 @@ state also holds ``extra.ballast``, a DTensor of M MB sharded by rows whose ever
 function of the step and the row (``ballast_value``): a large state that costs no all-gather per
 step; it is left out of the ``.pt`` files, and the restored one is checked against the step it
 came from (``ballast_ok`` in the json, per rank). ``--steps-after-restore N``: a run that
-restored a step trains N steps past it (not to ``--steps``).
+restored a step trains N steps past it (not to ``--steps``). ``--hidden H``: the hidden layer's
+width (default 14); wide enough, each rank's shards and AdamW's state pass 4 MiB and the
+snapshot's copy overlaps the next step (``train/snapshots/overlap.py``).
 """
 
 import argparse
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--ballast-mb", type=int, default=0)
     p.add_argument("--steps-after-restore", type=int, default=-1)
+    p.add_argument("--hidden", type=int, default=14)
     args = p.parse_args()
 
     import torch
@@ -76,7 +79,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 14), nn.ReLU(), nn.Linear(14, 3))  # uneven shards
+    hidden = args.hidden  # 14: uneven shards; wide: a state whose copy overlaps the next step
+    model = nn.Sequential(nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 3))
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model, mesh=mesh)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
