@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # snapshot_steps, machine
+import snapshot_steps  # noqa: E402
 
 MODES = ("off", "snapshot", "snapshot, overlap=False", "dcp.async_save")
 
@@ -96,34 +96,10 @@ def worker(steps: int, work: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(steps: int, shm: str, warmup: int) -> dict[str, Any]:
-    work = tempfile.mkdtemp(dir=shm, prefix="snapshot-fsdp-")
-    out = os.path.join(work, "result.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", str(steps), work, out],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
-        for proc in procs:
-            if proc.wait(timeout=1200) != 0:
-                raise RuntimeError(f"a worker exited {proc.returncode}")
-        with open(out) as f:
-            r: dict[str, Any] = json.load(f)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(work, ignore_errors=True)
+    r = snapshot_steps.run_two_ranks(
+        lambda rank, work, out: [os.path.abspath(__file__), "--worker", str(steps), work, out],
+        "snapshot-fsdp-", shm, 1200)
     skip = warmup // len(MODES)
     return {"bytes": r["bytes"], "steps": {m: len(t) - skip for m, t in r["times"].items()},
             "step_median_s": {m: statistics.median(t[skip:]) for m, t in r["times"].items()},
@@ -160,7 +136,6 @@ def main() -> int:
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     a = p.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from machine import machine
 
     load_before = os.getloadavg()

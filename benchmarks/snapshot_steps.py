@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,19 +126,28 @@ def _free_port() -> int:
 
 def run_example(steps: int, shm: str) -> dict[str, Any]:
     """The example's step in ``EXAMPLE_MODES``, 2 processes; medians in seconds."""
-    work = tempfile.mkdtemp(dir=shm, prefix="snapshot-steps-")
+    r = run_two_ranks(lambda rank, work, out: [os.path.abspath(__file__), "example", str(rank),
+                                               str(steps), work, out], "snapshot-steps-", shm, 600)
+    return summarize(r["times"], r["copies"], r["bytes"], warmup=2 * BLOCK * len(EXAMPLE_MODES))
+
+
+def run_two_ranks(args: Callable[[int, str, str], list[str]], prefix: str, shm: str,
+                  timeout: float) -> dict[str, Any]:
+    """Runs ``python *args(rank, work, out)`` for ranks 0 and 1 (gloo through env://, one thread
+    each, a fresh directory ``work`` under ``shm``) and returns what one of them wrote to ``out``
+    (JSON); every process is ended and ``work`` removed before it returns."""
+    work = tempfile.mkdtemp(dir=shm, prefix=prefix)
     out = os.path.join(work, "result.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
-    procs = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "example", str(rank), str(steps), work,
-                 out], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+            procs.append(subprocess.Popen([sys.executable, *args(rank, work, out)],
+                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
         for proc in procs:
-            if proc.wait(timeout=600) != 0:
-                raise RuntimeError(f"an example worker exited {proc.returncode}")
+            if proc.wait(timeout=timeout) != 0:
+                raise RuntimeError(f"a worker exited {proc.returncode}")
         with open(out) as f:
             r: dict[str, Any] = json.load(f)
     finally:
@@ -146,7 +156,7 @@ def run_example(steps: int, shm: str) -> dict[str, Any]:
                 proc.kill()
                 proc.wait()
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(r["times"], r["copies"], r["bytes"], warmup=2 * BLOCK * len(EXAMPLE_MODES))
+    return r
 
 
 def summarize(times: dict[str, list[float]], copies: list[float], size: int,
