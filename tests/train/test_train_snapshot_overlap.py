@@ -191,6 +191,39 @@ def test_worker_killed_with_a_copy_pending_restores_the_previous_step(tmp_path: 
         os.unlink(os.path.join(shm_root, path))
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_child_neither_waits_for_nor_publishes_its_parents_copy(tmp_path: Path,
+                                                                         shm_root: str) -> None:
+    """A process forks with a copy pending (as a DataLoader's workers are forked): the child's
+    optimizer step returns at once (the parent's copy thread does not exist there) and leaves the
+    parent's files alone; the parent's own next step publishes the snapshot."""
+    out = subprocess.run([sys.executable, WRITER, shm_root, str(tmp_path), "3", "fork"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["forked", "0", "3"], out.stdout
+    assert stale_tmp_files(shm_root, 0) == []
+    for path in os.listdir(shm_root):
+        os.unlink(os.path.join(shm_root, path))
+
+
+def test_a_snapshots_dropped_with_a_copy_pending_still_publishes_it(shm_root: str) -> None:
+    """``Snapshots`` dropped by the program (no reference, never closed) right after a snapshot:
+    its copy is still settled, and the snapshot published, at the optimizer's next step."""
+    model, optim = model_and_optimizer()
+    train_step(model, optim, 1)
+    snaps = Snapshots(settings=SnapshotSettings(shm_root, 0))
+    want = clone({"model": model.state_dict(), "step": 1})
+    snaps.snapshot({"model": model.state_dict(), "step": 1}, 1)
+    assert snaps.last_background_bytes > 0
+    del snaps
+    train_step(model, optim, 2)
+    step, got = newest(shm_root)
+    assert step == 1
+    assert_same(got, want)
+    for path in os.listdir(shm_root):
+        os.unlink(os.path.join(shm_root, path))
+
+
 def test_fsdp2_sharded_state_overlaps_and_restores_exactly(tmp_path: Path) -> None:
     """FSDP2 (``fully_shard`` on a one-rank gloo mesh) with Adam, the state from
     ``get_state_dict``: its DTensors' shards are left to the background, and the snapshot

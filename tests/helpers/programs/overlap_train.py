@@ -1,8 +1,11 @@
 """Trains a 12 MB model with Adam, a snapshot every step (``Snapshots`` of local rank 0 in
 SNAPSHOT_DIR), saving each step's state to ``OUT/state-<step>.pt`` first; after ``snapshot(STOP)``
 it prints ``pending STOP`` and sleeps before its next optimizer step (the test SIGKILLs it).
+With ``fork``: instead it forks, the child takes an optimizer step (it must not wait for, nor
+publish, its parent's copy) and exits; then the parent steps (publishing STOP), prints
+``forked CHILD_EXIT_STATUS NEWEST_STEP`` and exits.
 
-    python overlap_train.py SNAPSHOT_DIR OUT STOP
+    python overlap_train.py SNAPSHOT_DIR OUT STOP [fork]
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ def main() -> int:
         if snaps.last_background_bytes == 0:
             print("not overlapped", step, flush=True)
             return 1
+    if sys.argv[4:] == ["fork"]:
+        child = os.fork()
+        if child == 0:
+            optim.step()
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        optim.step()
+        from elasticstore.train.snapshots.fileformat import list_snapshots
+
+        print("forked", os.waitstatus_to_exitcode(status), list_snapshots(directory)[-1][0],
+              flush=True)
+        snaps.close()
+        return 0
     print("pending", stop, flush=True)
     time.sleep(600)
     return 0

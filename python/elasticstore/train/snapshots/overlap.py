@@ -45,7 +45,10 @@ class Settles(Protocol):
 
 
 _lock = threading.Lock()
-_pending: weakref.WeakSet[Any] = weakref.WeakSet()  # owners (``Snapshots``) with a copy running
+# Owners (``Snapshots``) with a copy running, held until it is settled (a snapshot whose owner
+# the program dropped is still published), and the process they belong to (not a forked child).
+_pending: set[Any] = set()
+_pending_pid = -1
 _hooked_pid = -1
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
@@ -79,7 +82,9 @@ def _before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def _settle_all(raising: bool = False) -> None:
-    for owner in list(_pending):
+    with _lock:
+        owners = list(_pending) if _pending_pid == os.getpid() else []
+    for owner in owners:
         try:
             owner.settle()
         except Exception as err:
@@ -93,10 +98,15 @@ def _settle_all(raising: bool = False) -> None:
 
 def note_pending(owner: Settles, running: bool) -> None:
     """Notes that ``owner`` has (or no longer has) a copy to settle before an optimizer steps."""
-    if running:
-        _pending.add(owner)
-    else:
-        _pending.discard(owner)
+    global _pending_pid
+    with _lock:
+        if _pending_pid != os.getpid():  # a forked child: its parent's copies are not its own
+            _pending.clear()
+            _pending_pid = os.getpid()
+        if running:
+            _pending.add(owner)
+        else:
+            _pending.discard(owner)
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -160,7 +170,7 @@ class PendingCopy:
 
     def __init__(self, buf: Buffer, enc: Encoded, step: int, views: list[torch.Tensor],
                  part: list[int]) -> None:
-        self.buf, self.enc, self.step = buf, enc, step
+        self.buf, self.enc, self.step, self.pid = buf, enc, step, os.getpid()
         background = set(part)
         now = [i for i in range(len(enc.tensors)) if i not in background]
         if now:
@@ -169,8 +179,14 @@ class PendingCopy:
         src = [enc.tensors[i] for i in part]
         self._sources, self._versions = src, [t._version for t in src]
         self.nbytes = sum(t.nbytes for t in src)
-        self._future: Future[None] = _executor().submit(copy_into, [views[i] for i in part], src,
-                                                        self.nbytes, True, False)
+        dst = [views[i] for i in part]
+        try:
+            self._future: Future[None] = _executor().submit(copy_into, dst, src, self.nbytes, True,
+                                                            False)
+        except RuntimeError:  # the interpreter is exiting (a snapshot taken at exit): copy now
+            copy_into(dst, src, self.nbytes, True)
+            self._future = Future()
+            self._future.set_result(None)
 
     def wait(self) -> None:
         self._future.result()  # the copy's error, if any

@@ -212,7 +212,7 @@ class Snapshots:
         ``snapshot``, ``flush``, ``close`` and ``restore``."""
         with self._settling:
             pending, self._pending = self._pending, None
-            if pending is None:
+            if pending is None or pending.pid != os.getpid():  # a forked child: the parent's
                 return
             note_pending(self, False)
             started = time.perf_counter()
