@@ -94,7 +94,9 @@ Completion KvState::make(ConnId conn, uint64_t tag, WaitKind kind, Status status
 }
 
 uint64_t KvState::deadline_for(uint32_t timeout_ms) const {
-  return timeout_ms == kNoTimeout ? kNoDeadline : clock_() + timeout_ms;
+  // The clock counts whole milliseconds (truncated): "now" may be up to 1 ms past clock_(). One
+  // more makes a timeout never end early: a wait of 50 ms lasts 50 to 51 ms.
+  return timeout_ms == kNoTimeout ? kNoDeadline : clock_() + timeout_ms + 1;
 }
 
 std::size_t KvState::charge_for(std::size_t nkeys, std::size_t key_bytes) noexcept {

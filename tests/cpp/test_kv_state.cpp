@@ -146,10 +146,11 @@ TEST(wait_timeout_reports_missing_keys) {
   Fixture f;
   f.kv.set(1, "have", "1", false);
   f.kv.wait(2, 3, SV{"have", "m1", "m2"}, 50);
-  CHECK_EQ(f.kv.next_deadline(), g_now + 50);
-  f.kv.expire(g_now + 49);
-  CHECK(f.ready().empty());
+  // Never early: the clock's "now" may be up to 1 ms past g_now, so 50 ms are over at g_now + 51.
+  CHECK_EQ(f.kv.next_deadline(), g_now + 51);
   f.kv.expire(g_now + 50);
+  CHECK(f.ready().empty());
+  f.kv.expire(g_now + 51);
   auto& r = f.ready();
   CHECK_EQ(r.size(), std::size_t{1});
   CHECK(r[0].status == Status::Timeout);
@@ -244,7 +245,7 @@ TEST(barrier_generations_and_withdrawal) {
   CHECK(e.at(0).status == Status::Error);
   f.kv.barrier(2, 3, "b", 3, 100);
   CHECK(f.ready().empty());
-  f.kv.expire(g_now + 100);  // participant 2 times out and is withdrawn
+  f.kv.expire(g_now + 101);  // participant 2 times out and is withdrawn
   auto& t = f.ready();
   CHECK(t.at(0).status == Status::Timeout);
   CHECK_EQ(t.at(0).arrived, 2u);
@@ -386,7 +387,7 @@ TEST(barrier_entries_are_erased_when_idle) {
   Fixture f;
   f.kv.barrier(1, 1, "t", 2, 50);  // times out alone at generation 0: nothing is kept
   CHECK_EQ(f.kv.barrier_count(), std::size_t{1});
-  f.kv.expire(g_now + 50);
+  f.kv.expire(g_now + 51);
   CHECK(f.ready().at(0).status == Status::Timeout);
   CHECK_EQ(f.kv.barrier_count(), std::size_t{0});
   f.kv.barrier(1, 2, "t", 2, 0);  // non-blocking and not released: nothing is kept either
@@ -404,7 +405,7 @@ TEST(barrier_entries_are_erased_when_idle) {
   // A late arrival after a release starts the next generation, not the released one, even when
   // everyone of that next generation withdraws first.
   f.kv.barrier(1, 5, "r", 2, 50);
-  f.kv.expire(g_now + 50);
+  f.kv.expire(g_now + 51);
   CHECK(f.ready().at(0).status == Status::Timeout);
   f.kv.barrier(1, 6, "r", 1, kNoTimeout);
   CHECK_EQ(f.ready().at(0).revision, 3ull);
