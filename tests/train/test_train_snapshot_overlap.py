@@ -24,7 +24,7 @@ from torch import nn
 
 from elasticstore.train import SnapshotSettings, Snapshots
 from elasticstore.train.snapshots.fileformat import list_snapshots, read_snapshot, stale_tmp_files
-from elasticstore.train.snapshots.overlap import OVERLAP_BYTES
+from elasticstore.train.snapshots.overlap import OVERLAP_BYTES, watch_optimizers
 
 WRITER = program("overlap_train.py")
 
@@ -139,7 +139,9 @@ def test_a_tensor_changed_outside_the_optimizer_discards_that_snapshot(shm_root:
 
 def test_what_copies_before_snapshot_returns(shm_root: str) -> None:
     """Nothing is left to the background for a state under ``OVERLAP_BYTES``, with
-    ``overlap=False``, or for tensors no optimizer that stepped owns (a copy of the weights)."""
+    ``overlap=False``, or for tensors no optimizer that stepped owns: a copy of the weights, half
+    of a weight, a buffer larger than the parameter that views it."""
+    watch_optimizers()  # as a Snapshots made first does: the steps below are seen
     model, optim = model_and_optimizer()
     train_step(model, optim, 1)
     small = nn.Linear(16, 16)
@@ -147,16 +149,32 @@ def test_what_copies_before_snapshot_returns(shm_root: str) -> None:
     small_optim = torch.optim.SGD(small.parameters(), lr=0.1)
     small(torch.randn(2, 16)).sum().backward()
     small_optim.step()
+    weight = model[0].weight.detach()
+    flat = torch.zeros((1 << 20) + 8)  # a parameter views all of it but 8 floats
+    part = nn.Parameter(flat[: 1 << 20])
+    part.grad = torch.ones_like(part)
+    part_optim = torch.optim.SGD([part], lr=0.1)
+    part_optim.step()
     for settings, state in [
             ({}, {"model": small.state_dict()}),
             ({"overlap": False}, {"model": model.state_dict()}),
-            ({}, {"model": clone(model.state_dict())})]:
+            ({}, {"model": clone(model.state_dict())}),
+            ({}, {"half": weight.view(-1)[: weight.numel() // 2], "pad": torch.zeros(2 << 20)}),
+            ({}, {"flat": flat})]:
         with Snapshots(settings=SnapshotSettings(shm_root, 0), **settings) as snaps:
             snaps.snapshot(state, 1)
             assert snaps.last_background_bytes == 0 and snaps._pending is None
             assert newest(shm_root)[0] == 1
         for path in os.listdir(shm_root):
             os.unlink(os.path.join(shm_root, path))
+    # the control: the same optimizers' own tensors are left to the background
+    with Snapshots(settings=SnapshotSettings(shm_root, 0)) as snaps:
+        snaps.snapshot({"model": model.state_dict(), "part": part.detach()}, 1)
+        params = sum(p.nbytes for p in model.parameters())
+        assert snaps.last_background_bytes >= params + part.nbytes
+    for path in os.listdir(shm_root):
+        os.unlink(os.path.join(shm_root, path))
+    del part_optim
 
 
 @pytest.mark.timeout(120)

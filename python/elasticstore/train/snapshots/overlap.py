@@ -137,11 +137,14 @@ def _owners() -> _Owners:
 
 
 def _owned(t: torch.Tensor, owners: _Owners) -> bool:
-    """Whether ``t`` starts where a live tensor an optimizer owns starts (its memory cannot have
-    been reused while that tensor lives): ``t`` is it, or a view of it from its start."""
+    """Whether ``t`` is a live tensor an optimizer owns, or an alias of all of it (``detach()``,
+    as state dicts give): the same memory, shape, strides and dtype. Memory a live tensor holds
+    cannot have been reused; a tensor over a larger or another region (a flat buffer that a
+    parameter views) is not taken for it."""
     ref = owners.get(t.data_ptr())
     owner = ref() if ref is not None else None
-    return owner is not None and owner.data_ptr() == t.data_ptr() and not t.is_inference()
+    return (owner is not None and owner.data_ptr() == t.data_ptr() and owner.dtype == t.dtype
+            and owner.shape == t.shape and owner.stride() == t.stride() and not t.is_inference())
 
 
 def background_part(enc: Encoded) -> list[int] | None:
