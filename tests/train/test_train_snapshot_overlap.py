@@ -74,6 +74,19 @@ def newest(directory: str) -> tuple[int, Any]:
     return step, state
 
 
+def assert_newest(directory: str, step: int, want: Any) -> None:
+    """The newest snapshot in ``directory`` is ``step``'s, holding exactly ``want``."""
+    got_step, got = newest(directory)
+    assert got_step == step
+    assert_same(got, want)
+
+
+def empty(directory: str) -> None:
+    """Removes what a test's writers left (the fixture checks the directory is empty)."""
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+
+
 def test_each_published_snapshot_is_its_steps_state_while_the_copy_overlaps(
         shm_root: str) -> None:
     """Adam on a 12 MB state with batch norm: from the first snapshot on, the optimizer's
@@ -86,9 +99,7 @@ def test_each_published_snapshot_is_its_steps_state_while_the_copy_overlaps(
         for step in range(1, 6):
             train_step(model, optim, step)  # its optimizer step publishes step - 1
             if step > 1:
-                got_step, got = newest(shm_root)
-                assert got_step == step - 1
-                assert_same(got, expected[step - 1])
+                assert_newest(shm_root, step - 1, expected[step - 1])
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             expected[step] = clone(state)
             assert snaps.snapshot(state, step)
@@ -99,12 +110,9 @@ def test_each_published_snapshot_is_its_steps_state_while_the_copy_overlaps(
         x = torch.randn(32, 1024)
         model(x)  # a forward pass after the last snapshot: buffers change, weights do not
     # close() published the last one, whose copy had no optimizer step to wait for
-    got_step, got = newest(shm_root)
-    assert got_step == 5
-    assert_same(got, expected[5])
+    assert_newest(shm_root, 5, expected[5])
     assert stale_tmp_files(shm_root, 0) == []
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+    empty(shm_root)
 
 
 def test_a_tensor_changed_outside_the_optimizer_discards_that_snapshot(shm_root: str) -> None:
@@ -130,11 +138,8 @@ def test_a_tensor_changed_outside_the_optimizer_discards_that_snapshot(shm_root:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             train_step(model, optim, 4)
-        step, got = newest(shm_root)
-        assert step == 3
-        assert_same(got, want)
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+        assert_newest(shm_root, 3, want)
+    empty(shm_root)
 
 
 def test_what_copies_before_snapshot_returns(shm_root: str) -> None:
@@ -165,15 +170,13 @@ def test_what_copies_before_snapshot_returns(shm_root: str) -> None:
             snaps.snapshot(state, 1)
             assert snaps.last_background_bytes == 0 and snaps._pending is None
             assert newest(shm_root)[0] == 1
-        for path in os.listdir(shm_root):
-            os.unlink(os.path.join(shm_root, path))
+        empty(shm_root)
     # the control: the same optimizers' own tensors are left to the background
     with Snapshots(settings=SnapshotSettings(shm_root, 0)) as snaps:
         snaps.snapshot({"model": model.state_dict(), "part": part.detach()}, 1)
         params = sum(p.nbytes for p in model.parameters())
         assert snaps.last_background_bytes >= params + part.nbytes
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+    empty(shm_root)
     del part_optim
 
 
@@ -205,8 +208,7 @@ def test_worker_killed_with_a_copy_pending_restores_the_previous_step(tmp_path: 
         assert_same(got.state, torch.load(tmp_path / "state-2.pt", weights_only=False))
         snaps.snapshot(got.state, 3)  # the next process's first snapshot takes its place
         assert stale_tmp_files(shm_root, 0) == []
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+    empty(shm_root)
 
 
 @pytest.mark.timeout(120)
@@ -220,8 +222,7 @@ def test_a_forked_child_neither_waits_for_nor_publishes_its_parents_copy(tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["forked", "0", "3"], out.stdout
     assert stale_tmp_files(shm_root, 0) == []
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+    empty(shm_root)
 
 
 def test_a_snapshots_dropped_with_a_copy_pending_still_publishes_it(shm_root: str) -> None:
@@ -235,11 +236,8 @@ def test_a_snapshots_dropped_with_a_copy_pending_still_publishes_it(shm_root: st
     assert snaps.last_background_bytes > 0
     del snaps
     train_step(model, optim, 2)
-    step, got = newest(shm_root)
-    assert step == 1
-    assert_same(got, want)
-    for path in os.listdir(shm_root):
-        os.unlink(os.path.join(shm_root, path))
+    assert_newest(shm_root, 1, want)
+    empty(shm_root)
 
 
 def test_fsdp2_sharded_state_overlaps_and_restores_exactly(tmp_path: Path) -> None:
