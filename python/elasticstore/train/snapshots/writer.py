@@ -5,15 +5,15 @@ Every step (or every ``every`` steps) a worker hands its state to ``Snapshots.sn
 call copies the tensors into memory that outlives the worker, a file in the directory that the
 agent (``elasticstore-run``) names in ``ELASTICSTORE_SNAPSHOT_DIR`` (under ``/dev/shm``: RAM, one
 per job and node, kept across worker restarts and rounds, removed when the agent ends). The step
-is blocked for that copy only, or for less: an optimizer's tensors of a large CPU state are
-copied while the next step computes (``overlap.py``). At most ``KEEP_PER_RANK`` complete snapshots exist per local rank:
-the older one's memory is reused for the next, except the (at most 2) steps the agent holds for
-its replicas of sharded state (``hold.py``): new memory is taken instead, and a buffer no longer
-held is freed. With ``checkpoint_dir``, every ``checkpoint_every``-th step's snapshot is also
-written to disk by a background thread (``disk.py``: at most one waits; a writer behind skips to
-the newest), by the ranks given ``write_checkpoints``. The memory per local rank is bounded:
-``KEEP_PER_RANK`` complete snapshots, plus at most 2 held, plus the one being taken, plus (when
-the disk writer lags) the one waiting for it.
+is blocked for that copy only, or less: an optimizer's tensors of a large CPU state are copied
+while the next step computes (``overlap.py``). At most ``KEEP_PER_RANK`` complete snapshots exist
+per local rank: the older one's memory is reused for the next, except the (at most 2) steps the
+agent holds for its replicas of sharded state (``hold.py``): new memory is taken instead, and a
+buffer no longer held is freed. With ``checkpoint_dir``, every ``checkpoint_every``-th step's
+snapshot is also written to disk by a background thread (``disk.py``: at most one waits; a writer
+behind skips to the newest), by the ranks given ``write_checkpoints``. The memory per local rank
+is bounded: ``KEEP_PER_RANK`` complete snapshots, plus at most 2 held, plus the one being taken,
+plus (when the disk writer lags) the one waiting for it.
 
 The state is *replicated* (the same on every rank, e.g. DDP's; the default) or, with
 ``replicated=False``, *per-rank*: only the rank that took it gets it back (``identity.py``).
