@@ -228,9 +228,9 @@ def test_a_forked_child_neither_waits_for_nor_publishes_its_parents_copy(tmp_pat
 def test_a_snapshots_dropped_with_a_copy_pending_still_publishes_it(shm_root: str) -> None:
     """``Snapshots`` dropped by the program (no reference, never closed) right after a snapshot:
     its copy is still settled, and the snapshot published, at the optimizer's next step."""
+    snaps = Snapshots(settings=SnapshotSettings(shm_root, 0))  # first: the steps are seen
     model, optim = model_and_optimizer()
     train_step(model, optim, 1)
-    snaps = Snapshots(settings=SnapshotSettings(shm_root, 0))
     want = clone({"model": model.state_dict(), "step": 1})
     snaps.snapshot({"model": model.state_dict(), "step": 1}, 1)
     assert snaps.last_background_bytes > 0
