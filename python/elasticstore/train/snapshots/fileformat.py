@@ -6,8 +6,8 @@ A snapshot is one file (or, without a snapshot directory, anonymous memory of th
 
 The skeleton is ``(identity, state)`` pickled, with every plain strided tensor replaced by a
 reference (dtype, shape, offset): plain Python objects are pickled as they are, tensors are
-copied byte for byte into the data region (one ``copy_`` each, from any device). The identity
-(``identity.py``) says whose state it is. Sharded tensors are refused while pickling
+copied byte for byte into the data region (one ``copy_`` each, from any device; the pickling is
+``skeleton.py``'s). The identity (``identity.py``) says whose state it is. Sharded tensors are refused while pickling
 (``ShardedStateError``), before any memory is touched: ``Snapshots`` turns sharded state into
 plain local shards and DCP metadata first (``shards.py``). Reading maps the file and clones every
 tensor out of it, so the returned state shares no memory with the file.
@@ -35,7 +35,6 @@ import io
 import math
 import mmap
 import os
-import pickle
 import re
 import struct
 import uuid
@@ -46,6 +45,7 @@ import torch
 from .copying import copy_into
 from .errors import SnapshotSpaceError
 from ..sharded import refuse_sharded, sharded_types
+from .skeleton import ShardedFound, SkeletonPickler, SkeletonUnpickler
 
 __all__ = ["Buffer", "Encoded", "decode", "encode", "encode_finish", "encode_start",
            "list_snapshots", "prepare", "read_snapshot", "snapshot_name"]
@@ -114,64 +114,6 @@ def stale_tmp_files(directory: str, local_rank: int) -> list[str]:
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-_sharded: tuple[type, ...] = ()
-
-
-class _ShardedFound(Exception):
-    """A sharded tensor met while pickling (``prepare`` turns it into ``ShardedStateError``)."""
-
-
-def _tensor_ref(dtype: torch.dtype, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
-    """What a copied tensor pickles as; ``_Unpickler`` resolves it into the data region."""
-    raise RuntimeError("a snapshot's tensor reference is read by its own unpickler only")
-
-
-class _Pickler(pickle.Pickler):
-    def __init__(self, f: io.BytesIO) -> None:
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self.layout: list[tuple[torch.dtype, tuple[int, ...], int]] = []  # dtype, shape, offset
-        self.size = 0
-        self.on_cpu = True  # every copied tensor is on the CPU
-
-    def reducer_override(self, obj: Any) -> Any:
-        # Not called for the built-in containers and scalars (unlike persistent_id): cheap. The
-        # test of _copied inlined: this runs for every tensor of every snapshot.
-        if (type(obj) is _Tensor and obj.layout is _STRIDED and not obj.is_quantized
-                and not obj.is_meta):
-            dtype, shape, nbytes = obj.dtype, tuple(obj.shape), obj.nbytes
-            offset = -(-self.size // _ALIGN) * _ALIGN
-            self.tensors.append(obj)
-            self.layout.append((dtype, shape, offset))
-            self.on_cpu = self.on_cpu and obj.is_cpu
-            self.size = offset + nbytes
-            return _tensor_ref, (dtype, shape, offset, nbytes)
-        if isinstance(obj, _sharded):
-            raise _ShardedFound
-        return NotImplemented
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, f: io.BytesIO, data: torch.Tensor, clone: bool = True) -> None:
-        super().__init__(f)
-        self.data, self.clone = data, clone
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name == "_tensor_ref":
-            return self._tensor
-        return super().find_class(module, name)
-
-    def _tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int,
-                nbytes: int) -> torch.Tensor:
-        raw = self.data[offset:offset + nbytes]
-        if not nbytes:
-            return torch.empty(shape, dtype=dtype)
-        view = raw.view(dtype).view(shape)
-        return view.clone() if self.clone else view
 
 
 class Buffer:
@@ -288,7 +230,7 @@ class Encoded:
 
     __slots__ = ("skeleton", "tensors", "layout", "data_size", "skel_offset", "total", "on_cpu")
 
-    def __init__(self, pickler: _Pickler, skeleton: memoryview) -> None:
+    def __init__(self, pickler: SkeletonPickler, skeleton: memoryview) -> None:
         self.skeleton, self.on_cpu = skeleton, pickler.on_cpu
         self.tensors, self.layout, self.data_size = pickler.tensors, pickler.layout, pickler.size
         self.skel_offset = _align(_DATA + pickler.size)
@@ -297,20 +239,14 @@ class Encoded:
 
 def prepare(state: Any, identity: dict[str, Any]) -> Encoded:
     """Pickles ``(identity, state)``; ``ShardedStateError`` for a sharded tensor in ``state``."""
-    global _sharded
-    _sharded = sharded_types() or (_NoSuchType,)  # those loaded so far (cached once all are)
     out = io.BytesIO()
-    pickler = _Pickler(out)
+    pickler = SkeletonPickler(out, sharded_types(), _ALIGN)  # those loaded so far
     try:
         pickler.dump((identity, state))
-    except _ShardedFound:
+    except ShardedFound:
         refuse_sharded(state, "Snapshots.snapshot()")  # names where it is
         refuse_sharded(state, "Snapshots.snapshot()", where="<inside an object>")
     return Encoded(pickler, out.getbuffer())
-
-
-class _NoSuchType:
-    """Stands for the sharded tensor types when torch has none (isinstance is then never true)."""
 
 
 def encode(enc: Encoded, step: int, buf: Buffer) -> int:
@@ -354,7 +290,7 @@ def _decode_bytes(mm: mmap.mmap, size: int, clone: bool = True) -> tuple[int, An
         if data_len else torch.empty(0, dtype=torch.uint8)
     try:
         skeleton = io.BytesIO(mm[skel_offset:skel_offset + skel_len])
-        loaded = _Unpickler(skeleton, data, clone).load()
+        loaded = SkeletonUnpickler(skeleton, data, clone).load()
         if not (isinstance(loaded, tuple) and len(loaded) == 2):
             raise ValueError("not an (identity, state) pair")
         if clone and mm[:_HEADER.size] != header:
