@@ -6,7 +6,8 @@ It holds ``{"committed": c, "floor": t}`` (either may be null): the writer never
 buffer of step ``c`` (the newest step every node's replica holds), nor its oldest buffer of a
 step ``>= t`` (the step the agents are sending), and takes new memory instead. Written under a
 temporary name and renamed into place, so a reader sees one whole version. A worker reads it once
-per snapshot: one ``os.stat``, and the file itself only when it changed (its inode, mtime, size).
+per snapshot: one ``os.access`` (and ``os.stat`` when it exists), and the file itself only when it
+changed (its inode, mtime, size).
 No file (``torchrun``, replicated state, a round of one node): nothing is held.
 """
 
@@ -78,6 +79,9 @@ class HoldReader:
         if directory is None:
             return None
         path = os.path.join(directory, HOLD_NAME)
+        if not os.access(path, os.F_OK):  # no file, the usual case: cheaper than a failed stat
+            self._key = self._hold = None
+            return None
         try:
             st = os.stat(path)
         except FileNotFoundError:
