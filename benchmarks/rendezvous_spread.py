@@ -183,11 +183,11 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- the parent -----------------------------------------------------------------------------------
 
-def _server(binary: str, port: int) -> subprocess.Popen[bytes]:
+def _server(binary: str, port: int, nice: int = 0) -> subprocess.Popen[bytes]:
     import elasticstore
 
-    proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port)],
-                            start_new_session=True)
+    proc = subprocess.Popen(["nice", "-n", str(nice), binary, "--host", "127.0.0.1", "--port",
+                             str(port)], start_new_session=True)
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -214,11 +214,11 @@ def _server_stats(port: int) -> dict[str, int]:
 
 
 def join_time(n: int, procs: int, one_address: bool, limit: float, binary: str,
-              nice: int = 0) -> dict[str, Any]:
+              nice: int = 0, server_nice: int = 0) -> dict[str, Any]:
     """One run: the seconds from the common start to the last agent's rank (None when some
     agent failed or did not finish within ``limit``), and what was seen."""
     port = _free_port()
-    server = _server(binary, port)
+    server = _server(binary, port, server_nice)
     env = dict(os.environ)
     if not one_address:
         import cbuild
@@ -230,6 +230,7 @@ def join_time(n: int, procs: int, one_address: bool, limit: float, binary: str,
     run_id = f"spread{time.monotonic_ns()}"
     workers: list[subprocess.Popen[str]] = []
     row: dict[str, Any] = {"agents": n, "procs": procs, "one_address": one_address, "nice": nice,
+                           "server_nice": server_nice,
                            "load_before": os.getloadavg()[0]}
     try:
         for i in range(procs):
@@ -315,6 +316,10 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=0,
                         help="the agent processes' niceness: the server (one thread, as on its own "
                              "core in a job) is not starved by thousands of agent threads")
+    parser.add_argument("--server-nice", type=int, default=0,
+                        help="the server's niceness (negative: root). On its own host in a job, "
+                             "the server is not one process among thousands of agent threads on "
+                             "two cores, where a nice of the agents alone does not keep it running")
     parser.add_argument("--json", help="append each run's row (JSON lines) to this file")
     parser.add_argument("--label", default="", help="a label stored with each row")
     # a worker's own arguments
@@ -331,12 +336,13 @@ def main() -> None:
     for n in [int(x) for x in args.agents.split(",")]:
         for _ in range(args.runs):
             row = join_time(n, args.procs, args.one_address, args.limit, args.server_bin,
-                            args.nice)
+                            args.nice, args.server_nice)
             row["label"] = args.label
             secs = row.get("seconds")
             print(f"{args.label} x{n} procs {args.procs}"
                   f"{' one address' if args.one_address else ''}"
-                  f"{f' nice {args.nice}' if args.nice else ''}: "
+                  f"{f' nice {args.nice}' if args.nice else ''}"
+                  f"{f' server nice {args.server_nice}' if args.server_nice else ''}: "
                   f"{'failed or >' + str(args.limit) if secs is None else f'{secs:.3f}'} s "
                   f"(load {row['load_before']:.1f} -> {row.get('load_after', 0):.1f}) "
                   f"{json.dumps({k: v for k, v in row.items() if k not in ('agents', 'procs', 'one_address', 'seconds', 'label', 'load_before', 'load_after')})}",
