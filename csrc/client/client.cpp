@@ -75,7 +75,8 @@ Client::Client(std::string host, uint16_t port, ClientOptions options)
     : host_(std::move(host)),
       port_(port),
       options_(std::move(options)),
-      op_timeout_ms_(options_.op_timeout.count()) {
+      op_timeout_ms_(options_.op_timeout.count()),
+      connect_timeout_ms_(options_.connect_timeout.count()) {
   if (host_.size() >= 2 && host_.front() == '[' && host_.back() == ']') {
     host_ = host_.substr(1, host_.size() - 2);  // "[::1]" -> "::1"
   }
@@ -102,6 +103,7 @@ std::unique_ptr<Client> Client::clone() const {
   check_not_closed();
   ClientOptions options = options_;
   options.op_timeout = op_timeout();
+  options.connect_timeout = connect_timeout();
   options.server_tag = server_tag_.load(std::memory_order_relaxed);
   return std::make_unique<Client>(host_, port_, std::move(options));
 }

@@ -161,6 +161,14 @@ class Client {
   // The bound of every call (ClientOptions::op_timeout); thread-safe, applies to the next call.
   Timeout op_timeout() const { return Timeout(op_timeout_ms_.load(std::memory_order_relaxed)); }
   void set_op_timeout(Timeout t) { op_timeout_ms_.store(t.count(), std::memory_order_relaxed); }
+  // The bound of connecting again (ClientOptions::connect_timeout, with reconnect_timeout);
+  // thread-safe, applies to the next reconnect and to clones.
+  Timeout connect_timeout() const {
+    return Timeout(connect_timeout_ms_.load(std::memory_order_relaxed));
+  }
+  void set_connect_timeout(Timeout t) {
+    connect_timeout_ms_.store(t.count(), std::memory_order_relaxed);
+  }
 
   // A new connection (a new session) to the same server with the same options.
   std::unique_ptr<Client> clone() const;
@@ -278,6 +286,7 @@ class Client {
   std::string wbuf_;         // the request being built; reused
   uint32_t request_id_ = 0;  // of the request being built
   std::atomic<int64_t> op_timeout_ms_;
+  std::atomic<int64_t> connect_timeout_ms_;
   // Of the call in progress: when it took mu_ (start_call), and op_timeout from then.
   Clock::time_point call_start_{};
   Clock::time_point call_deadline_{};

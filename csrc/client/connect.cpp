@@ -157,7 +157,7 @@ void Client::ensure_connected_locked() {
   // Nothing of a new request was sent yet, so reconnecting here is always safe.
   if (conn_->is_open() && !conn_->idle_alive()) close_fd_locked();
   if (!conn_->is_open()) {
-    Timeout budget = min_timeout(options_.reconnect_timeout, options_.connect_timeout);
+    Timeout budget = min_timeout(options_.reconnect_timeout, connect_timeout());
     if (call_deadline_ != Clock::time_point::max()) {
       const auto left = std::chrono::ceil<milliseconds>(call_deadline_ - Clock::now());
       budget = min_timeout(budget, std::max(left, milliseconds(0)));

@@ -63,6 +63,13 @@ void bind_client(py::module_& m) {
             return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
           },
           [](es::Client& c, double seconds) { c.set_op_timeout(to_timeout(seconds)); })
+      .def_property(
+          "connect_timeout",
+          [](const es::Client& c) {
+            const auto t = c.connect_timeout();
+            return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
+          },
+          [](es::Client& c, double seconds) { c.set_connect_timeout(to_timeout(seconds)); })
       .def("clone", [](es::Client& c) { return call_blocking([&] { return c.clone(); }); })
       .def("close", [](es::Client& c) { call_blocking([&] { c.close(); }); })
       .def(

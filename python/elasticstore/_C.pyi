@@ -153,6 +153,13 @@ class Client:
         call."""
     @timeout.setter
     def timeout(self, seconds: float) -> None: ...
+    @property
+    def connect_timeout(self) -> float:
+        """How long connecting again after the connection broke keeps retrying, in seconds
+        (negative: no bound but the call's); settable, applies to the next reconnect and to
+        clones."""
+    @connect_timeout.setter
+    def connect_timeout(self, seconds: float) -> None: ...
     def clone(self) -> Client: ...
     def close(self) -> None:
         """Closes the connection for good; a call blocked on another thread raises the network

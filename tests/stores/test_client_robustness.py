@@ -125,6 +125,30 @@ def test_calls_on_a_stopped_server_fail_within_the_timeout(
         store.close()
 
 
+def test_set_connect_timeout_bounds_the_next_reconnect() -> None:
+    """A lost server (nothing listens any more) is retried for the connect timeout the store has
+    when the call starts: the one given, then the one set (clones take the new one too)."""
+    server = StoreServer("127.0.0.1", 0)
+    store = Store("127.0.0.1", server.port, timeout=timedelta(seconds=30),
+                  connect_timeout=timedelta(seconds=0.3))
+    try:
+        store.set("warm", "1")
+        server.close()
+        with pytest.raises(StoreNetworkError):  # the connection it finds closed
+            store.set("k", "v")
+        for budget, low in ((0.3, 0.0), (2.0, 1.9)):
+            if budget != 0.3:
+                store.set_connect_timeout(timedelta(seconds=budget))
+            assert store.connect_timeout == timedelta(seconds=budget)
+            dt, exc = _bounded(lambda: store.set("k", "v"), 30.0)
+            assert isinstance(exc, StoreNetworkError), exc
+            assert low <= dt <= budget + SLACK, f"budget {budget}: {dt:.2f} s"
+            assert "reconnect" in str(exc), str(exc)
+    finally:
+        store.close()
+        server.close()
+
+
 def test_set_timeout_applies_to_calls_that_do_not_block(
     server_process: tuple[subprocess.Popen[str], int],
 ) -> None:

@@ -162,9 +162,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             for _ in range(100_000):  # each pass is a round formed or replaced
                 state = self._join(target, deadline)
                 if self._fails_over:  # what a new host would be seeded with (standbys too)
-                    self._carried.refresh(self._backend.store, self._keys, state)
-                    if self._follower is not None:
-                        self._follower.record(self._carried)
+                    takeover.after_round(self, state)
                 rank = state.rank_of(self._node)
                 if rank is None:  # standby or too late: wait for the next round
                     target = state.round + 1

@@ -25,11 +25,11 @@ from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidate
 from .failover import Carried
 from .follower import Follower
 from .hostprobe import HostProbe, NewerHostWatch
-from .native import NativeBackend, connect_native_backend
+from .native import FAILOVER_RECONNECT, RECONNECT, NativeBackend, connect_native_backend
 from .settings import RendezvousSettings
-from .state import Keys
+from .state import Keys, RoundState
 
-__all__ = ["SwitchingNode", "lost_at_start", "serve_early", "take_over"]
+__all__ = ["SwitchingNode", "after_round", "lost_at_start", "serve_early", "take_over"]
 
 
 class SwitchingNode(Protocol):
@@ -112,6 +112,24 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
         h._moves.append(record)
         log.warning("rendezvous %s: the store moved from %s to %s (epoch %d)", settings.run_id,
                     old.endpoint, record.endpoint, record.epoch)
+
+
+def after_round(h: SwitchingNode, state: RoundState) -> None:
+    """After entering round ``state``: what a new host would be seeded with (standbys too), and
+    how long a lost connection to the store is retried. ``FAILOVER_RECONNECT`` (1 s) where a
+    survivor takes the store over when its host is lost; a store with no host record, at the only
+    endpoint, hosted by no agent (an external ``elasticstore-server``), has no one to take it over:
+    a loss there ends the run, so its connections are retried for ``RECONNECT`` (3 s), as without
+    failover, and a busy server or a starved agent thread is not taken for a lost store."""
+    h._carried.refresh(h._backend.store, h._keys, state)
+    if h._follower is not None:
+        h._follower.record(h._carried)
+    external = h._carried.host is None and len(h._settings.endpoints) == 1
+    budget = RECONNECT if external else FAILOVER_RECONNECT
+    for backend in (h._backend, h._spare):
+        if isinstance(backend, NativeBackend) and backend.server is None \
+                and backend.store.connect_timeout != budget:
+            backend.store.set_connect_timeout(budget)
 
 
 def lost_at_start(h: SwitchingNode, backend: StoreBackend,

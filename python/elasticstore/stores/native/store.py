@@ -224,6 +224,21 @@ class Store(dist.Store):
         if client is not None:  # the bound of calls that do not block server-side
             client.timeout = _seconds(timeout)
 
+    @property
+    def connect_timeout(self) -> timedelta | None:
+        """How long connecting again keeps retrying (None: ``timeout``)."""
+        return self._connect_timeout
+
+    def set_connect_timeout(self, timeout: timedelta) -> None:
+        """Sets how long connecting again, after the connection broke, keeps retrying (also for
+        clones made from now on)."""
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a timedelta, got {type(timeout).__name__}")
+        self._connect_timeout = timeout
+        client = self._client
+        if client is not None:
+            client.connect_timeout = timeout.total_seconds()
+
     # ``timeout`` (a property) is inherited: it reads the C++ Store's member, which torch's C++
     # side may also set (``PrefixStore::setTimeout`` sets the wrapped store's, bypassing Python).
     # So it is read per call, never cached here.

@@ -1,0 +1,65 @@
+"""How long an agent retries a lost connection to the rendezvous store: 1 s
+(``FAILOVER_RECONNECT``) where a survivor takes the store over when its host is lost (an
+agent-hosted store), ``RECONNECT`` (3 s) on a store no one can take over (an external server at
+the only endpoint: no host record), where a loss ends the run and a busy server or a starved agent
+thread must not be taken for one."""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+import elasticstore
+from elasticstore.rendezvous.native import FAILOVER_RECONNECT, RECONNECT
+
+CONF = {"last_call_timeout": 0.1, "join_timeout": 30, "lease_ttl": 2}
+
+
+def handler(endpoint: str, addr: str) -> RendezvousHandler:
+    return get_rendezvous_handler(RendezvousParameters(
+        "elasticstore", endpoint, "budget", 2, 2, addr, **CONF))
+
+
+def budgets(h: RendezvousHandler) -> tuple[object, object]:
+    """The connect timeouts of the handler's store and of its ring watcher's (made before the
+    round, as its spare connection)."""
+    ring = h._ring  # type: ignore[attr-defined]
+    return (h._backend.store.connect_timeout,  # type: ignore[attr-defined]
+            None if ring is None else ring._b.store.connect_timeout)
+
+
+def form(handlers: list[RendezvousHandler]) -> None:
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    assert sorted(i.world_size for i in infos) == [2, 2]
+
+
+def test_an_external_store_is_retried_for_longer() -> None:
+    with elasticstore.StoreServer("127.0.0.1", 0) as server:
+        handlers = [handler(server.address, a) for a in ("127.0.0.2", "127.0.0.3")]
+        try:
+            assert [budgets(h) for h in handlers] == [(FAILOVER_RECONNECT, None)] * 2  # no round
+            form(handlers)
+            assert [budgets(h) for h in handlers] == [(RECONNECT, RECONNECT)] * 2
+        finally:
+            for h in handlers:
+                h.shutdown()
+
+
+def test_an_agent_hosted_store_keeps_the_failover_bound() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.2", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"127.0.0.2:{port}"
+    host = handler(endpoint, "127.0.0.2")  # hosts the store: first, alone
+    other = handler(endpoint, "127.0.0.3")
+    try:
+        form([host, other])
+        assert host._backend.server is not None  # type: ignore[attr-defined]
+        assert budgets(other) == (FAILOVER_RECONNECT, FAILOVER_RECONNECT)
+    finally:
+        other.shutdown()
+        host.shutdown()
