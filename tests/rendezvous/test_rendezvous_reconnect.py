@@ -1,8 +1,8 @@
 """How long an agent retries a lost connection to the rendezvous store: 1 s
 (``FAILOVER_RECONNECT``) where a survivor takes the store over when its host is lost (an
-agent-hosted store), ``RECONNECT`` (3 s) on a store no one can take over (an external server at
-the only endpoint: no host record), where a loss ends the run and a busy server or a starved agent
-thread must not be taken for one."""
+agent-hosted store, once a round is carried), ``RECONNECT`` (3 s) where no one can (an external
+server at the only endpoint: no host record; any store at one endpoint before the first round),
+where a loss ends the run and a busy server or a starved agent thread must not be taken for one."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_an_external_store_is_retried_for_longer() -> None:
     with elasticstore.StoreServer("127.0.0.1", 0) as server:
         handlers = [handler(server.address, a) for a in ("127.0.0.2", "127.0.0.3")]
         try:
-            assert [budgets(h) for h in handlers] == [(FAILOVER_RECONNECT, None)] * 2  # no round
+            assert [budgets(h) for h in handlers] == [(RECONNECT, None)] * 2  # no round yet
             form(handlers)
             assert [budgets(h) for h in handlers] == [(RECONNECT, RECONNECT)] * 2
         finally:
@@ -57,6 +57,7 @@ def test_an_agent_hosted_store_keeps_the_failover_bound() -> None:
     host = handler(endpoint, "127.0.0.2")  # hosts the store: first, alone
     other = handler(endpoint, "127.0.0.3")
     try:
+        assert budgets(other) == (RECONNECT, None)  # no round yet: no one could take over
         form([host, other])
         assert host._backend.server is not None  # type: ignore[attr-defined]
         assert budgets(other) == (FAILOVER_RECONNECT, FAILOVER_RECONNECT)

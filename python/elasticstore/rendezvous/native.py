@@ -83,14 +83,19 @@ def _should_host(settings: RendezvousSettings) -> bool:
 
 def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
                            server: StoreServer | None = None,
-                           first_wait: float | None = None) -> NativeBackend:
+                           first_wait: float | None = None,
+                           reconnect: timedelta | None = None) -> NativeBackend:
     """A backend on the server at ``host:port``. The first connection may wait ``first_wait``
     seconds (default ``store_timeout``: for the host agent to start); once in, a lost server is
-    reported within ``RECONNECT`` seconds (``FAILOVER_RECONNECT`` where a survivor may take
-    over), never a hang."""
+    reported within ``reconnect``, never a hang. By default ``FAILOVER_RECONNECT`` where a
+    survivor may take over from the start (failover among several endpoints), else ``RECONNECT``:
+    at one endpoint a survivor may take over only once it carries a round and the host record
+    (``takeover.after_round`` shortens it then; a switch of host passes ``FAILOVER_RECONNECT``)."""
     timeout = timedelta(seconds=settings.store_timeout)
     first = timedelta(seconds=settings.store_timeout if first_wait is None else first_wait)
-    reconnect = FAILOVER_RECONNECT if settings.failover else RECONNECT
+    if reconnect is None:
+        listed = settings.failover and len(settings.endpoints) > 1
+        reconnect = FAILOVER_RECONNECT if listed else RECONNECT
     token = settings.store_token
     Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
     store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)

@@ -117,10 +117,12 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
 def after_round(h: SwitchingNode, state: RoundState) -> None:
     """After entering round ``state``: what a new host would be seeded with (standbys too), and
     how long a lost connection to the store is retried. ``FAILOVER_RECONNECT`` (1 s) where a
-    survivor takes the store over when its host is lost; a store with no host record, at the only
-    endpoint, hosted by no agent (an external ``elasticstore-server``), has no one to take it over:
-    a loss there ends the run, so its connections are retried for ``RECONNECT`` (3 s), as without
-    failover, and a busy server or a starved agent thread is not taken for a lost store."""
+    survivor takes the store over when its host is lost (it carries a round and the host record,
+    or the store is one of several endpoints); a store with no host record at the only endpoint
+    (an external ``elasticstore-server``) has no one to take it over: a loss there ends the run,
+    so its connections are retried for ``RECONNECT`` (3 s), as without failover (and as at one
+    endpoint before the first round), and a busy server or a starved agent thread is not taken
+    for a lost store."""
     h._carried.refresh(h._backend.store, h._keys, state)
     if h._follower is not None:
         h._follower.record(h._carried)
@@ -155,7 +157,8 @@ def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
     that store as a member."""
     previous = h._carried.host
     _detach(h)
-    h._attach(connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT))
+    h._attach(connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT,
+                                     reconnect=FAILOVER_RECONNECT))
     if previous is not None:
         h._carried.lost.add(previous.node)
     h._carried.host = record
@@ -181,7 +184,8 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
         if found is not None:
             try:  # it may have gone silent again since it answered the look-up: look again
                 h._attach(connect_native_backend(settings, *found.address,
-                                                 first_wait=FAILOVER_WAIT))
+                                                 first_wait=FAILOVER_WAIT,
+                                                 reconnect=FAILOVER_RECONNECT))
             except StoreNetworkError as exc:
                 log.info("the store at %s did not answer (%s): looking again", found.endpoint, exc)
                 found = None
@@ -261,7 +265,8 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
     if found is not None and found.rank >= (carried, epoch):
         log.warning("rendezvous %s: %s serves the store already (round %d, epoch %d): joining it",
                     s.run_id, found.record.endpoint, found.round, found.record.epoch)
-        return connect_native_backend(s, *found.record.address, first_wait=FAILOVER_WAIT)
+        return connect_native_backend(s, *found.record.address, first_wait=FAILOVER_WAIT,
+                                      reconnect=FAILOVER_RECONNECT)
     if found is not None and found.record.epoch >= epoch:
         # Seeded from an older round than this node took part in (its host took ours for lost
         # while it was stopped or cut off): never joined (its next round would repeat a number
@@ -282,7 +287,8 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
         log.warning("cannot host the rendezvous store on %s: %s", endpoint_of(h._addr, port), exc)
         return None
     try:
-        backend = connect_native_backend(s, h._addr, port, server, first_wait=FAILOVER_WAIT)
+        backend = connect_native_backend(s, h._addr, port, server, first_wait=FAILOVER_WAIT,
+                                         reconnect=FAILOVER_RECONNECT)
         record = HostRecord(epoch, h._node, endpoint_of(h._addr, port), h._carried.host.endpoint
                             if h._carried.host else None, time.time())
         seed(backend.store, h._keys, h._carried, record)
@@ -300,7 +306,8 @@ def _reach(h: SwitchingNode, node: str, epoch: int, port: int) -> NativeBackend 
     deadline = time.monotonic() + FAILOVER_WAIT
     addr = addr_of(node)
     try:
-        backend = connect_native_backend(h._settings, addr, port, first_wait=FAILOVER_WAIT)
+        backend = connect_native_backend(h._settings, addr, port, first_wait=FAILOVER_WAIT,
+                                         reconnect=FAILOVER_RECONNECT)
     except AuthenticationError:
         raise
     except (StoreNetworkError, StoreTimeoutError, StoreError) as exc:
