@@ -41,6 +41,11 @@ std::unique_ptr<es::Client> make_client(const std::string& host, int port, doubl
       [&] { return std::make_unique<es::Client>(host, static_cast<uint16_t>(port), options); });
 }
 
+// A timeout in seconds, negative for none (to_timeout's inverse).
+double seconds_of(es::Timeout t) {
+  return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
+}
+
 py::object optional_bytes(const std::optional<std::string>& v) {
   if (!v) return py::none();
   return py::bytes(*v);
@@ -57,18 +62,10 @@ void bind_client(py::module_& m) {
       .def_property_readonly("port", &es::Client::port)
       .def_property_readonly("session_id", &es::Client::session_id)
       .def_property(
-          "timeout",
-          [](const es::Client& c) {
-            const auto t = c.op_timeout();
-            return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
-          },
+          "timeout", [](const es::Client& c) { return seconds_of(c.op_timeout()); },
           [](es::Client& c, double seconds) { c.set_op_timeout(to_timeout(seconds)); })
       .def_property(
-          "connect_timeout",
-          [](const es::Client& c) {
-            const auto t = c.connect_timeout();
-            return t.count() < 0 ? -1.0 : static_cast<double>(t.count()) / 1000.0;
-          },
+          "connect_timeout", [](const es::Client& c) { return seconds_of(c.connect_timeout()); },
           [](es::Client& c, double seconds) { c.set_connect_timeout(to_timeout(seconds)); })
       .def("clone", [](es::Client& c) { return call_blocking([&] { return c.clone(); }); })
       .def("close", [](es::Client& c) { call_blocking([&] { c.close(); }); })
