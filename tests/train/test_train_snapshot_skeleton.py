@@ -2,8 +2,9 @@
 it fills once per type: it must pickle every object as the plain pickler does, except plain
 tensors (references into the data region) and sharded tensors (refused). Here: tensor
 subclasses, tensors it cannot reference, classes with metaclasses, enums, ``copyreg``
-reductions registered after the table was filled, a subclass of a sharded tensor type, and a
-skeleton written by an earlier version (its references under the old module name)."""
+reductions registered (or registered again) after the table was filled, a subclass of a
+sharded tensor type, and a skeleton written by an earlier version (its references under the
+old module name)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def test_a_copyreg_reduction_registered_later_is_used() -> None:
         del copyreg.dispatch_table[Point]
     got, _ = round_trip({"p": Point(2)})
     assert got["p"] == Point(2)
+
+
+def test_a_copyreg_reduction_registered_again_replaces_the_first() -> None:
+    copyreg.pickle(Point, lambda p: (Point, (p.x * 10,)))
+    try:
+        got, _ = round_trip({"p": Point(2)})  # the table now holds this reduction
+        assert got["p"] == Point(20)
+        copyreg.pickle(Point, lambda p: (Point, (p.x * 100,)))  # as many entries as before
+        got, _ = round_trip({"p": Point(2)})
+        assert got["p"] == Point(200)
+    finally:
+        del copyreg.dispatch_table[Point]
 
 
 class Sharded(torch.Tensor):

@@ -4,7 +4,7 @@ the snapshot's data region (``fileformat.py`` lays the bytes out).
 Pickling runs on every step's path, so the pickler chooses how to reduce an object through a
 dispatch table that the C pickler reads itself: a type's entry is computed once per process
 (``_Reducers``) and every later object of that type costs the pickler no Python call, except
-tensors, which it hands to ``_Pickler._tensor``. The entries reduce as the pickler would without
+tensors, which it hands to ``SkeletonPickler._tensor``. The entries reduce as the pickler would without
 the table (``copyreg``'s, else the object's ``__reduce_ex__``), except for plain tensors
 (references) and sharded tensors and their subclasses (refused: ``prepare`` turns them into
 ``ShardedStateError``). Types of types (classes pickled by name) are left to the pickler.
@@ -45,19 +45,21 @@ def _refuse(obj: Any) -> Any:
 
 class _Reducers(dict):  # type: ignore[type-arg]
     """The shared part of every pickler's dispatch table: type -> reduction, filled on first
-    sight of a type (``__missing__``), for the sharded tensor types loaded so far (``reset``)."""
+    sight of a type (``_Table.__missing__``), for the sharded tensor types loaded so far and the
+    reductions registered with ``copyreg`` (``reset``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sharded: tuple[type, ...] = ()
-        self.registered = len(copyreg.dispatch_table)
+        self.registered: dict[type, Any] = dict(copyreg.dispatch_table)
 
     def reset(self, sharded: tuple[type, ...]) -> None:
-        """Decides every type again when a sharded tensor module was loaded, or a reduction
-        registered with ``copyreg``, since the last snapshot."""
-        if sharded != self.sharded or len(copyreg.dispatch_table) != self.registered:
+        """Decides every type again when a sharded tensor module was loaded, or a ``copyreg``
+        reduction registered, replaced or removed, since the last snapshot (the registered
+        functions compared by identity: a type registered again keeps no stale reduction)."""
+        if sharded != self.sharded or copyreg.dispatch_table != self.registered:
             self.clear()
-            self.sharded, self.registered = sharded, len(copyreg.dispatch_table)
+            self.sharded, self.registered = sharded, dict(copyreg.dispatch_table)
 
     def entry(self, cls: type) -> Callable[[Any], Any] | None:
         if self.sharded and issubclass(cls, self.sharded):
