@@ -13,7 +13,10 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 import elasticstore
+from elasticstore.rendezvous.failover import Carried, HostRecord, survivor_may_take_over
 from elasticstore.rendezvous.native import FAILOVER_RECONNECT, RECONNECT
+from elasticstore.rendezvous.settings import RendezvousSettings
+from elasticstore.rendezvous.state import RoundState
 
 CONF = {"last_call_timeout": 0.1, "join_timeout": 30, "lease_ttl": 2}
 
@@ -64,3 +67,25 @@ def test_an_agent_hosted_store_keeps_the_failover_bound() -> None:
     finally:
         other.shutdown()
         host.shutdown()
+
+
+def settings(endpoint: str, failover: bool) -> RendezvousSettings:
+    return RendezvousSettings.from_config(
+        run_id="budget", endpoint=endpoint, min_nodes=2, max_nodes=2, local_addr="127.0.0.2",
+        config={"failover": failover}, several=True)
+
+
+def test_who_may_take_over_is_decided_once_for_the_connect_the_round_and_a_loss() -> None:
+    """``survivor_may_take_over`` decides for ``connect_native_backend`` (nothing carried),
+    ``takeover.after_round`` and a loss: several endpoints, or one with a round and a host
+    record carried, and never without ``failover``."""
+    state = RoundState(1, ("127.0.0.2-1-0", "127.0.0.3-1-0"))
+    host = HostRecord(1, "127.0.0.2-1-0", "127.0.0.2:29400")
+    one, two = "127.0.0.2:29400", "127.0.0.2:29400,127.0.0.3:29400"
+    assert survivor_may_take_over(settings(two, True), None)
+    assert not survivor_may_take_over(settings(two, False), Carried(state, host))
+    assert not survivor_may_take_over(settings(one, True), None)
+    assert not survivor_may_take_over(settings(one, True), Carried(state))  # an external server
+    assert not survivor_may_take_over(settings(one, True), Carried(None, host))
+    assert survivor_may_take_over(settings(one, True), Carried(state, host))
+    assert not survivor_may_take_over(settings(one, False), Carried(state, host))

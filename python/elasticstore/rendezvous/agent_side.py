@@ -17,7 +17,7 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
-from .failover import Carried, HostRecord, find_standing
+from .failover import Carried, HostRecord, find_standing, survivor_may_take_over
 from .follower import Follower, own_follower
 from .hostprobe import HostProbe, NewerHostWatch, silent_after
 from .settings import RendezvousSettings, parse_endpoint
@@ -121,10 +121,9 @@ class AgentSide:
         node is in the rendezvous (not stepped aside: a node out of it, e.g. unhealthy, may
         have missed that the run finished and its host left), and the run is not closed (a node
         back from a SIGSTOP after the job finished must not host it again)."""
-        c, listed = self._carried, len(self._settings.endpoints) > 1
         return (self._fails_over and not self._shut and self._alive and self._backend.server is None
                 and self._stop_seen is None and self._carried.closed is None  # not a closed run
-                and (None not in (c.host, c.round) or listed)
+                and survivor_may_take_over(self._settings, self._carried)
                 and isinstance(exc.__cause__ or exc, StoreNetworkError))
 
     def _saw_loss(self, error: BaseException) -> None:

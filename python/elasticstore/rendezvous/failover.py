@@ -42,12 +42,12 @@ from datetime import timedelta
 from ..errors import StoreError, StoreNetworkError, StoreTimeoutError
 from ..stores.native.store import Store
 from .records import RecordError, int_field, number_field, parse_record, str_field
-from .settings import parse_endpoint
+from .settings import RendezvousSettings, parse_endpoint
 from .state import Keys, NodeId, RoundState
 
 __all__ = ["FAILOVER_WAIT", "PROBE", "Carried", "FailoverRecord", "HostRecord", "Standing",
            "candidates", "endpoint_of", "fence_quorum", "find_host", "find_standing", "majority",
-           "seed", "store_standing"]
+           "seed", "store_standing", "survivor_may_take_over"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,19 @@ class Carried:
         """The failure record this node published since the last refresh, if any: it writes
         it to a new host itself (the host seeded what it read)."""
         return self.failure if self.failure != self.read_failure else None
+
+
+def survivor_may_take_over(settings: RendezvousSettings, carried: Carried | None) -> bool:
+    """Whether a survivor takes the run's store over when its host is lost: with ``failover``,
+    where the store was looked up among several endpoints, or where this node carries a round
+    and the store's host record (an agent-hosted store at one endpoint, once a round formed).
+    An external store at one endpoint has no host record: no one takes it over. ``carried``
+    None: nothing carried yet (a connection being made)."""
+    if not settings.failover:
+        return False
+    if len(settings.endpoints) > 1:
+        return True
+    return carried is not None and None not in (carried.host, carried.round)
 
 
 def candidates(carried: Carried) -> list[str]:

@@ -19,7 +19,7 @@ from ..errors import StoreNetworkError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
-from .failover import HostRecord, endpoint_of, listening
+from .failover import HostRecord, endpoint_of, listening, survivor_may_take_over
 from .follower import survey
 from .settings import RendezvousSettings
 from .state import Keys
@@ -94,8 +94,8 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
     timeout = timedelta(seconds=settings.store_timeout)
     first = timedelta(seconds=settings.store_timeout if first_wait is None else first_wait)
     if reconnect is None:
-        listed = settings.failover and len(settings.endpoints) > 1
-        reconnect = FAILOVER_RECONNECT if listed else RECONNECT
+        takes_over = survivor_may_take_over(settings, None)
+        reconnect = FAILOVER_RECONNECT if takes_over else RECONNECT
     token = settings.store_token
     Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
     store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)

@@ -20,9 +20,9 @@ from ..errors import AuthenticationError, StoreError, StoreNetworkError, StoreTi
 from ..stores.native.server import StoreServer
 from .backend import StoreBackend
 from .executor import Heartbeat
-from .failover import (FAILOVER_WAIT, HostRecord, addr_of, await_host, candidates, endpoint_of,
-                       find_host, find_standing, read_host, seed)
-from .failover import Carried
+from .failover import (FAILOVER_WAIT, Carried, HostRecord, addr_of, await_host, candidates,
+                       endpoint_of, find_host, find_standing, read_host, seed,
+                       survivor_may_take_over)
 from .follower import Follower
 from .hostprobe import HostProbe, NewerHostWatch
 from .native import FAILOVER_RECONNECT, RECONNECT, NativeBackend, connect_native_backend
@@ -117,17 +117,16 @@ def take_over(handler: SwitchingNode, cause: BaseException) -> None:
 def after_round(h: SwitchingNode, state: RoundState) -> None:
     """After entering round ``state``: what a new host would be seeded with (standbys too), and
     how long a lost connection to the store is retried. ``FAILOVER_RECONNECT`` (1 s) where a
-    survivor takes the store over when its host is lost (it carries a round and the host record,
-    or the store is one of several endpoints); a store with no host record at the only endpoint
-    (an external ``elasticstore-server``) has no one to take it over: a loss there ends the run,
-    so its connections are retried for ``RECONNECT`` (3 s), as without failover (and as at one
-    endpoint before the first round), and a busy server or a starved agent thread is not taken
-    for a lost store."""
+    survivor takes the store over when its host is lost (``failover.survivor_may_take_over``);
+    elsewhere (an external ``elasticstore-server`` at the only endpoint, no failover) a loss
+    ends the run, so its connections are retried for ``RECONNECT`` (3 s), as at one endpoint
+    before the first round, and a busy server or a starved agent thread is not taken for a lost
+    store."""
     h._carried.refresh(h._backend.store, h._keys, state)
     if h._follower is not None:
         h._follower.record(h._carried)
-    external = h._carried.host is None and len(h._settings.endpoints) == 1
-    budget = RECONNECT if external else FAILOVER_RECONNECT
+    takes_over = survivor_may_take_over(h._settings, h._carried)
+    budget = FAILOVER_RECONNECT if takes_over else RECONNECT
     for backend in (h._backend, h._spare):
         if isinstance(backend, NativeBackend) and backend.server is None \
                 and backend.store.connect_timeout != budget:
