@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 import subprocess
 import sys
 
@@ -13,8 +14,10 @@ from agent_nodes import agents, node_flags
 
 from elasticstore import Store, StoreServer
 from elasticstore.ops.terminal import printable
-from elasticstore.rendezvous.records import (MAX_RECORD_DEPTH, RecordError, number_field,
-                                             parse_json, parse_record)
+from elasticstore.rendezvous.records import (MAX_RECORD_BYTES, MAX_RECORD_DEPTH, PACK_ABOVE,
+                                             RecordError, number_field, pack_record, parse_json,
+                                             parse_record)
+from elasticstore.rendezvous.state import RoundState
 
 ESC = "\x1b"
 DEEP = ("[" * 100_000 + "]" * 100_000).encode()
@@ -42,6 +45,40 @@ def test_parse_record_bounds_depth_and_size() -> None:
     assert parse_json(DEEP) is None and parse_json(b"{nope") is None
     assert number_field({"x": 10**400}, "x") is None and number_field({"x": float("nan")}, "x") is None
     assert number_field({"x": True}, "x") is None and number_field({"x": 2}, "x") == 2.0
+
+
+def test_a_large_record_is_stored_compressed_and_read_back_within_the_bounds() -> None:
+    nodes = tuple(f"10.{i // 250}.{i % 250}.7-{40_000 + i}-0" for i in range(4096))
+    small, large = RoundState(3, nodes[:10]), RoundState(3, nodes, nodes[:2])
+    assert small.to_json().startswith(b"{")  # plain JSON, readable with any tool
+    packed = large.to_json()
+    assert not packed.startswith(b"{") and len(packed) < PACK_ABOVE
+    assert RoundState.from_json(packed) == large and parse_json(packed)["round"] == 3
+    assert pack_record(b"[]") == b"[]"
+    bomb = pack_record(b" " * PACK_ABOVE + b"[" + b"0," * (MAX_RECORD_BYTES // 2) + b"0]")
+    assert len(bomb) < 64 * 1024
+    with pytest.raises(RecordError, match="once decompressed"):
+        parse_record(bomb, "the round record")
+    cut, prefix = packed[:-4], packed[:3]
+    for data, why in ((cut, "cut short"), (packed + b"x", "followed by"),
+                      (prefix + b"not zlib", "not a valid compressed record"),
+                      (prefix + zlib.compress(b"[" * 100 + b"]" * 100), "nested deeper"),
+                      (prefix + zlib.compress(b"{nope"), "not JSON")):
+        with pytest.raises(RecordError, match=why):
+            parse_record(data, "r")
+
+
+def test_status_reads_a_compressed_round_record() -> None:
+    nodes = tuple(f"127.1.{i // 200}.{i % 200 + 1}-{50_000 + i}-0" for i in range(2048))
+    with StoreServer("127.0.0.2", 0) as server, Store(server.host, server.port) as st:
+        record = RoundState(4, nodes).to_json()
+        assert not record.startswith(b"{")  # compressed
+        st.set("rdzv/j/ctl/round", record)
+        js = cli("status", "--addr", server.address, "--rdzv-id", "j", "--json")
+        assert js.returncode == 0, js.stderr
+        got = json.loads(js.stdout)
+        assert got["round"]["number"] == 4 and got["round"]["world_size"] == len(nodes)
+        assert [m["node"] for m in got["members"]] == list(nodes)
 
 
 def test_printable_escapes_every_control() -> None:

@@ -4,7 +4,8 @@ Keys of run ``R`` (relative to the backend's store)::
 
     rdzv/R/alive/{node}       session-bound (native) or leased (etcd): the node lives
     rdzv/R/join/{T}/{node}    session-bound: the node wants to be in round T
-    rdzv/R/ctl/round          the round record (JSON), written once per round by compare-and-set
+    rdzv/R/ctl/round          the round record (JSON; compressed when large: ``records.py``),
+                              written once per round by compare-and-set
     rdzv/R/ctl/decider/{T}    session-bound: the node deciding round T (created, never rewritten;
                               kept once T is written, deleted by the decider of T + 1)
     rdzv/R/ctl/restart/{T}    round T must be replaced (a participant was lost, a node waits)
@@ -41,7 +42,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from .records import RecordError, parse_record
+from .records import RecordError, pack_record, parse_record
 
 __all__ = ["SCHEMA", "AgentKeys", "Keys", "NodeId", "RoundState", "node_sort_key"]
 
@@ -98,7 +99,9 @@ class RoundState:
         return len(self.participants)
 
     def to_json(self) -> bytes:
-        return json.dumps(
+        """The record as stored: JSON, compressed past ``records.PACK_ABOVE`` bytes (about
+        1,000 nodes: each node receives it once per round, O(N^2) bytes from one server)."""
+        return pack_record(json.dumps(
             {
                 "schema": SCHEMA,
                 "round": self.round,
@@ -106,7 +109,7 @@ class RoundState:
                 "standby": list(self.standby),
             },
             separators=(",", ":"),
-        ).encode()
+        ).encode())
 
     @classmethod
     def from_json(cls, data: bytes) -> RoundState:
