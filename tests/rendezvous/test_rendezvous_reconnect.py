@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 import elasticstore
+from elasticstore.errors import StoreNetworkError
+from elasticstore.rendezvous.executor import DeciderCheck
 from elasticstore.rendezvous.failover import Carried, HostRecord, survivor_may_take_over
-from elasticstore.rendezvous.native import FAILOVER_RECONNECT, RECONNECT
+from elasticstore.rendezvous.native import FAILOVER_RECONNECT, RECONNECT, NativeBackend
 from elasticstore.rendezvous.settings import RendezvousSettings
-from elasticstore.rendezvous.state import RoundState
+from elasticstore.rendezvous.state import Keys, RoundState
 
 CONF = {"last_call_timeout": 0.1, "join_timeout": 30, "lease_ttl": 2}
 
@@ -89,3 +94,27 @@ def test_who_may_take_over_is_decided_once_for_the_connect_the_round_and_a_loss(
     assert not survivor_may_take_over(settings(one, True), Carried(None, host))
     assert survivor_may_take_over(settings(one, True), Carried(state, host))
     assert not survivor_may_take_over(settings(one, False), Carried(state, host))
+
+
+def test_the_decider_checks_key_is_left_quietly_with_a_lost_connection() -> None:
+    """The waiting node that checks the decider leaves its session-bound key when its wait ends:
+    deleted on a live store; with the store gone (the reconnect fails) the key went with the
+    session, and the cleanup raises nothing (the node's next call says the store is lost)."""
+    keys = Keys("check")
+    with elasticstore.StoreServer("127.0.0.1", 0) as server:
+        other = elasticstore.Store(server.host, server.port)
+        backend = NativeBackend(elasticstore.Store(
+            server.host, server.port, connect_timeout=timedelta(seconds=0.3)),
+            server.address, None)
+        check = DeciderCheck(backend, keys, 1, 5.0, "127.0.0.2-1-0")
+        assert other.get(keys.check(1)) == b"127.0.0.2-1-0"
+        check.release()
+        assert other.try_get(keys.check(1)) is None
+        check.claim()
+        assert other.get(keys.check(1)) == b"127.0.0.2-1-0"
+        other.close()
+    check.release()  # the server is gone: nothing raised
+    assert check.due() is None  # no longer this node's check
+    with pytest.raises(StoreNetworkError):
+        backend.get(keys.round)
+    backend.store.close()

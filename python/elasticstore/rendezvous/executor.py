@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
-from ..errors import WatchCompactedError
+from ..errors import StoreNetworkError, WatchCompactedError
 from . import decisions, failover
 from .backend import StoreBackend
 from .settings import RendezvousSettings
@@ -290,10 +290,18 @@ class DeciderCheck:
             self._next = time.monotonic() + self._period
 
     def release(self) -> None:
-        """Leaves the check to another waiting node (this one decides, or stops waiting)."""
+        """Leaves the check to another waiting node (this one decides, or stops waiting). Its
+        key is bound to this node's session: where the connection is lost and cannot be made
+        again, the session, and the key with it, ended on the server, so there is nothing left
+        to delete, and this cleanup does not decide that the store is lost (it would end a wait
+        that already has its round, or hide why the wait ended): the node's next call does."""
         if self._mine:
             self._mine = False
-            self._b.delete(self._k.check(self._target))
+            try:
+                self._b.delete(self._k.check(self._target))
+            except StoreNetworkError as exc:
+                log.info("round %d: the check key went with the lost connection (%s)",
+                         self._target, exc)
 
     def due(self) -> float | None:
         """Seconds until the next check; None when another node checks."""
