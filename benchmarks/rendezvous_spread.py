@@ -250,7 +250,9 @@ def join_time(n: int, procs: int, one_address: bool, limit: float, binary: str,
             if not ready.get("ready") or ready.get("errors"):
                 row.update(seconds=None, error=f"set-up: {ready}")
                 return row
-        row["connections"] = _server_stats(port).get("connections")
+        before = _server_stats(port)
+        row["connections"] = before.get("connections")
+        row["loop_slowest_pass_ms_before_go"] = before.get("loop_slowest_pass_ms")
         server_cpu = _cpu_seconds(server.pid)
         t0 = time.monotonic()
         for w in workers:
@@ -291,7 +293,7 @@ def join_time(n: int, procs: int, one_address: bool, limit: float, binary: str,
         stats = _server_stats(port)
         row.update(revision=stats.get("revision"), history_events=stats.get("history_events"))
         row["server_counters"] = {k: v for k, v in stats.items()
-                                  if k.startswith("connections_") and v}
+                                  if k.startswith(("connections_", "loop_")) and v}
         return row
     finally:
         for w in workers:

@@ -127,11 +127,19 @@ void EventLoop::process_timers() {
 }
 
 void EventLoop::run() {
+  uint64_t awake = 0;  // when the current pass began (0: before the first wait)
   while (!stop_.load(std::memory_order_acquire)) {
     if (before_sleep_) before_sleep_();
     if (stop_.load(std::memory_order_acquire)) break;
-    const int n = ::epoll_wait(epfd_, events_.data(), static_cast<int>(events_.size()),
-                               poll_timeout_ms());
+    const int timeout = poll_timeout_ms();
+    const uint64_t asleep = now_ms();
+    if (awake != 0) slowest_pass_ms_ = std::max(slowest_pass_ms_, asleep - awake);
+    const int n = ::epoll_wait(epfd_, events_.data(), static_cast<int>(events_.size()), timeout);
+    awake = now_ms();
+    // Ended by its timeout, or by a stop and continue (EINTR without a handler), past the timeout.
+    if (n <= 0 && timeout >= 0 && awake - asleep > static_cast<uint64_t>(timeout)) {
+      latest_wake_ms_ = std::max(latest_wake_ms_, awake - asleep - static_cast<uint64_t>(timeout));
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       log(LogLevel::Error, "epoll_wait failed (errno %d); stopping the event loop", errno);

@@ -48,6 +48,13 @@ class EventLoop {
   void stop() noexcept;   // from any thread
   static uint64_t now_ms() noexcept;
 
+  // Since the start, in ms: the longest pass (from a wake-up to the next wait: the events and
+  // timers handled, the work before sleeping), and the latest a wait that ended by its timeout
+  // returned past that timeout (the process not scheduled: a starved or stopped server). Read
+  // on the loop's thread.
+  uint64_t slowest_pass_ms() const noexcept { return slowest_pass_ms_; }
+  uint64_t latest_wake_ms() const noexcept { return latest_wake_ms_; }
+
  private:
   struct FileEvent {
     FileProc proc = nullptr;
@@ -69,6 +76,8 @@ class EventLoop {
   TimerId next_timer_ = 1;
   std::function<void()> before_sleep_;
   std::vector<epoll_event> events_;
+  uint64_t slowest_pass_ms_ = 0;
+  uint64_t latest_wake_ms_ = 0;
 };
 
 }  // namespace elasticstore

@@ -139,7 +139,8 @@ std::array<uint64_t, kNumStats> Server::Impl::collect() const {
   return {conns_.size() - closing_.size(), kv_.num_keys(),   kv_.waiter_count(), kv_.revision(),
           kv_.queue_count(),    kv_.history_size(), bytes_buffered_, accepted_,
           refused_,             closed_bad_input_, requests_, kv_.barrier_count(),
-          closed_peer_lost_,    half_open_.size(), shed_half_open_};
+          closed_peer_lost_,    half_open_.size(), shed_half_open_,
+          loop_ ? loop_->slowest_pass_ms() : 0, loop_ ? loop_->latest_wake_ms() : 0};
 }
 
 void Server::Impl::publish() noexcept {

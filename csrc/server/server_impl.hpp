@@ -40,6 +40,7 @@ inline constexpr const char* kStatNames[] = {
     "bytes_buffered",   "connections_accepted", "connections_refused",
     "connections_closed_bad_input", "requests", "barriers",
     "connections_closed_peer_lost", "connections_half_open", "connections_shed_half_open",
+    "loop_slowest_pass_ms", "loop_latest_wake_ms",
 };
 inline constexpr std::size_t kNumStats = sizeof kStatNames / sizeof kStatNames[0];
 

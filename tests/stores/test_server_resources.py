@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import signal
 import socket
 import struct
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 
 import spawned
 import pytest
+
+from elasticstore import Store
+from elasticstore.errors import StoreError
 
 MIB = 1024 * 1024
 BIG = 8 * MIB  # kMaxValueBytes
@@ -481,7 +486,6 @@ def test_unauthenticated_connections_leave_room_for_authenticated_ones(
     """Under an open-file limit of 256, one peer holding 400 connections that never finish the
     handshake does not keep 8 clients with the token out: connections not yet authenticated are
     bounded per peer address and to half the descriptors, the oldest closed first."""
-    from elasticstore import Store
 
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -519,3 +523,34 @@ def test_server_raises_its_open_file_limit_to_the_hard_limit() -> None:
     with serving(nofile=(256, 1024)) as server:
         assert _open_files_limit(server.proc.pid) == (1024, 1024)
         assert "raised the open-file limit from 256 to 1024" in server.log()
+
+
+
+def test_the_loop_reports_how_late_it_woke_and_its_slowest_pass(server: Server) -> None:
+    """``loop_latest_wake_ms``: how far past its timer a wait returned (the server stopped, or
+    not scheduled: starved of CPU); ``loop_slowest_pass_ms``: the longest pass between two
+    waits. A GET that blocks parks a 0.5 s timer; the server is stopped for 1.5 s across it."""
+    with Store("127.0.0.1", server.port) as st:
+        before = st.stats()
+        assert before["loop_latest_wake_ms"] < 500 and "loop_slowest_pass_ms" in before
+        blocked = Store("127.0.0.1", server.port, timeout=timedelta(seconds=0.5))
+        outcome: list[str] = []
+
+        def wait() -> None:
+            try:
+                blocked.get("missing")
+            except StoreError as exc:
+                outcome.append(type(exc).__name__)
+
+        parked = threading.Thread(target=wait)
+        try:
+            parked.start()
+            time.sleep(0.2)  # the GET is parked: the loop waits for its 0.5 s timer
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            time.sleep(1.5)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+            parked.join(10)
+            blocked.close()
+        assert not parked.is_alive() and outcome == ["StoreTimeoutError"], outcome
+        assert st.stats()["loop_latest_wake_ms"] >= 500, st.stats()
