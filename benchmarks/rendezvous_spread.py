@@ -188,6 +188,15 @@ def _server(binary: str, port: int, nice: int = 0) -> subprocess.Popen[bytes]:
 
     proc = subprocess.Popen(["nice", "-n", str(nice), binary, "--host", "127.0.0.1", "--port",
                              str(port)], start_new_session=True)
+    if nice:
+        # The server runs in a session of its own: with the kernel's autogroups on, its nice
+        # value acts only within that session's group; the group's own nice sets its share
+        # against the agents' processes (sched(7)). Best effort (a negative one needs root).
+        try:
+            with open(f"/proc/{proc.pid}/autogroup", "w") as f:
+                f.write(str(nice))
+        except OSError:
+            pass
     deadline = time.monotonic() + 20
     while True:
         try:

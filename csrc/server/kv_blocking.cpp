@@ -2,6 +2,8 @@
 // WATCH, answered at once when they can be and parked as waiters (kv_waiters.cpp) otherwise.
 #include "server/kv_state.hpp"
 
+#include <algorithm>
+
 namespace elasticstore {
 
 // ---- blocking operations -----------------------------------------------------------------------
@@ -162,15 +164,31 @@ void KvState::barrier(ConnId conn, uint64_t tag, std::string_view key, uint32_t 
 
 const HistoryEvent* KvState::first_match(const std::string& key, bool prefix,
                                          uint64_t after) const {
-  if (history_.empty()) return nullptr;
+  if (history_.empty() || after >= revision_) return nullptr;
   const uint64_t front = history_.front().revision;  // revisions in history are contiguous
-  for (std::size_t i = after < front ? 0 : after - front + 1; i < history_.size(); ++i) {
-    const HistoryEvent& ev = history_[i];
-    if (prefix ? ev.key.compare(0, key.size(), key) == 0 && ev.key.size() >= key.size()
-               : ev.key == key)
-      return &ev;
+  if (revision_ - after <= kWatchScanEvents) {  // near the end: scan what came since
+    for (std::size_t i = after < front ? 0 : after - front + 1; i < history_.size(); ++i) {
+      const HistoryEvent& ev = history_[i];
+      if (prefix ? ev.key.compare(0, key.size(), key) == 0 && ev.key.size() >= key.size()
+                 : ev.key == key)
+        return &ev;
+    }
+    return nullptr;
   }
-  return nullptr;
+  // Further back: the first revision after `after` of the key, or of each key under the prefix.
+  uint64_t first = 0;
+  auto consider = [&](const std::deque<uint64_t>& revisions) {
+    auto it = std::upper_bound(revisions.begin(), revisions.end(), after);
+    if (it != revisions.end() && (first == 0 || *it < first)) first = *it;
+  };
+  if (!prefix) {
+    if (auto it = history_by_key_.find(key); it != history_by_key_.end()) consider(it->second);
+  } else {
+    for (auto it = history_by_key_.lower_bound(key);
+         it != history_by_key_.end() && it->first.compare(0, key.size(), key) == 0; ++it)
+      consider(it->second);
+  }
+  return first == 0 ? nullptr : &history_[first - front];
 }
 
 void KvState::watch(ConnId conn, uint64_t tag, std::string_view key, bool is_prefix,

@@ -255,12 +255,19 @@ int64_t KvState::queue_len(std::string_view queue) const {
 uint64_t KvState::record(EventKind kind, std::string_view key, std::string_view value) {
   history_.push_back(HistoryEvent{kind, std::string(key), std::make_shared<const std::string>(value),
                                   ++revision_});
+  auto slot = history_by_key_.find(key);
+  if (slot == history_by_key_.end())
+    slot = history_by_key_.emplace(std::string(key), std::deque<uint64_t>{}).first;
+  slot->second.push_back(revision_);
   history_bytes_ += key.size() + value.size() + kHistoryEventOverheadBytes;
   while (history_.size() > 1 &&
          (history_.size() > kWatchHistoryEvents || history_bytes_ > kWatchHistoryBytes)) {
     const HistoryEvent& old = history_.front();
     history_bytes_ -= old.key.size() + old.value->size() + kHistoryEventOverheadBytes;
     compacted_through_ = old.revision;
+    auto it = history_by_key_.find(old.key);  // its oldest revision is this event's
+    it->second.pop_front();
+    if (it->second.empty()) history_by_key_.erase(it);
     history_.pop_front();
   }
   notify_watchers(history_.back());

@@ -33,6 +33,11 @@ using WaiterId = uint64_t;
 inline constexpr uint64_t kNoDeadline = ~uint64_t{0};
 // Bookkeeping charged to each history event besides its key and value bytes.
 inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
+// A watch that starts at most this many events back scans them; further back, it looks its key
+// (or the keys under its prefix) up in the history's index of revisions by key: a watcher that
+// returns after a timeout to watch from an old revision (a ring watcher polling a liveness key
+// while the run's heartbeats fill the history) no longer costs a scan of the whole history.
+inline constexpr uint64_t kWatchScanEvents = 1024;
 // Bookkeeping charged to a blocked request against kMaxWaitingBytes*, besides twice its key bytes
 // (its copy and the index's): per request, and per key (list node, iterator, index entry).
 inline constexpr std::size_t kWaiterOverheadBytes = 256;
@@ -246,6 +251,8 @@ class KvState {
   uint64_t revision_ = 0;
   std::unordered_map<std::string, Entry> keys_;
   std::deque<HistoryEvent> history_;
+  // The revisions of each key's events in history_, oldest first (ordered: prefix lookups).
+  std::map<std::string, std::deque<uint64_t>, std::less<>> history_by_key_;
   std::size_t history_bytes_ = 0;
   uint64_t compacted_through_ = 0;  // revision of the newest event dropped from history
   std::unordered_map<std::string, std::deque<std::string>> queues_;

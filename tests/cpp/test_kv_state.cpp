@@ -1,4 +1,6 @@
 // KvState semantics, driven directly with a fake clock: no sockets.
+#include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -202,6 +204,51 @@ TEST(history_compaction) {
   CHECK_EQ(r.at(0).revision, 11ull);  // oldest held
   f.kv.watch(1, 2, "k", false, 10, 0);
   CHECK(f.ready().at(0).status == Status::Ok);
+}
+
+// The history's index by key answers a watch from far back as the scan does: random sets of keys
+// that nest as prefixes, past the history's bound (compaction), watched from random revisions.
+TEST(watch_from_far_back_matches_a_scan_of_the_history) {
+  Fixture f;
+  const std::vector<std::string> keys = {"a", "a/b", "a/b/c", "ab", "b", "b/x", "c", "a/"};
+  std::vector<std::string> log;  // log[r - 1]: the key of revision r
+  std::mt19937_64 rng(20261128);
+  uint64_t checked = 0;
+  const std::size_t total = kWatchHistoryEvents + 4 * kWatchScanEvents;
+  for (std::size_t i = 0; i < total; ++i) {
+    const std::string& k = keys[rng() % keys.size()];
+    f.kv.set(1, k, "v", false);
+    log.push_back(k);
+    if (i % 61 != 0) continue;
+    const uint64_t rev = log.size();
+    const uint64_t oldest = rev > kWatchHistoryEvents ? rev - kWatchHistoryEvents + 1 : 1;
+    for (int q = 0; q < 3; ++q) {
+      const std::string& w = keys[rng() % keys.size()];
+      const bool prefix = rng() % 2 == 0;
+      const uint64_t back = rng() % 2 == 0 ? rng() % (kWatchScanEvents * 2) : rng() % rev;
+      const uint64_t after = rev - std::min(back, rev);
+      uint64_t want = 0;
+      for (uint64_t r = after + 1; r <= rev && want == 0; ++r) {
+        const std::string& e = log[r - 1];
+        if (prefix ? e.compare(0, w.size(), w) == 0 && e.size() >= w.size() : e == w) want = r;
+      }
+      f.done.clear();
+      f.kv.watch(1, 100 + checked, w, prefix, after, 0);
+      const Completion& c = f.ready().back();
+      if (after + 1 < oldest) {
+        CHECK(c.status == Status::Compacted);
+      } else if (want == 0) {
+        CHECK(c.status == Status::Timeout);
+      } else {
+        CHECK(c.status == Status::Ok);
+        CHECK_EQ(c.revision, want);
+        CHECK_EQ(c.key, log[want - 1]);
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked > 3000);
+  CHECK_EQ(f.kv.history_size(), kWatchHistoryEvents);
 }
 
 TEST(history_bounded_by_bytes) {
