@@ -166,16 +166,18 @@ const HistoryEvent* KvState::first_match(const std::string& key, bool prefix,
                                          uint64_t after) const {
   if (history_.empty() || after >= revision_) return nullptr;
   const uint64_t front = history_.front().revision;  // revisions in history are contiguous
-  if (revision_ - after <= kWatchScanEvents) {  // near the end: scan what came since
-    for (std::size_t i = after < front ? 0 : after - front + 1; i < history_.size(); ++i) {
-      const HistoryEvent& ev = history_[i];
-      if (prefix ? ev.key.compare(0, key.size(), key) == 0 && ev.key.size() >= key.size()
-                 : ev.key == key)
-        return &ev;
-    }
-    return nullptr;
+  // The next kWatchScanEvents events first: a watcher that catches up event by event, or one
+  // near the end, finds its match there at the cost of the events it passes.
+  const std::size_t start = after < front ? 0 : after - front + 1;
+  const std::size_t scanned = std::min<std::size_t>(history_.size(), start + kWatchScanEvents);
+  for (std::size_t i = start; i < scanned; ++i) {
+    const HistoryEvent& ev = history_[i];
+    if (prefix ? ev.key.compare(0, key.size(), key) == 0 && ev.key.size() >= key.size()
+               : ev.key == key)
+      return &ev;
   }
-  // Further back: the first revision after `after` of the key, or of each key under the prefix.
+  if (scanned == history_.size()) return nullptr;
+  // None there: the first later revision of the key, or of each key under the prefix.
   uint64_t first = 0;
   auto consider = [&](const std::deque<uint64_t>& revisions) {
     auto it = std::upper_bound(revisions.begin(), revisions.end(), after);

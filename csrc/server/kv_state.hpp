@@ -33,10 +33,11 @@ using WaiterId = uint64_t;
 inline constexpr uint64_t kNoDeadline = ~uint64_t{0};
 // Bookkeeping charged to each history event besides its key and value bytes.
 inline constexpr std::size_t kHistoryEventOverheadBytes = 64;
-// A watch that starts at most this many events back scans them; further back, it looks its key
-// (or the keys under its prefix) up in the history's index of revisions by key: a watcher that
-// returns after a timeout to watch from an old revision (a ring watcher polling a liveness key
-// while the run's heartbeats fill the history) no longer costs a scan of the whole history.
+// A watch scans at most this many events after its revision; with no match there, it looks its
+// key (or the keys under its prefix) up in the history's index of revisions by key: a watcher
+// that returns after a timeout to watch from an old revision (a ring watcher polling a liveness
+// key while the run's heartbeats fill the history) no longer costs a scan of the whole history,
+// and one that catches up event by event still finds each next event at once.
 inline constexpr uint64_t kWatchScanEvents = 1024;
 // Bookkeeping charged to a blocked request against kMaxWaitingBytes*, besides twice its key bytes
 // (its copy and the index's): per request, and per key (list node, iterator, index entry).

@@ -211,12 +211,13 @@ TEST(history_compaction) {
 TEST(watch_from_far_back_matches_a_scan_of_the_history) {
   Fixture f;
   const std::vector<std::string> keys = {"a", "a/b", "a/b/c", "ab", "b", "b/x", "c", "a/"};
-  std::vector<std::string> log;  // log[r - 1]: the key of revision r
-  std::mt19937_64 rng(20261128);
-  uint64_t checked = 0;
+  const std::string hot = "h/beat";  // most events, as heartbeats are: the others are rare,
+  std::vector<std::string> log;      // so a watch of them often finds nothing in its scan
+  std::mt19937_64 rng(20261128);     // log[r - 1]: the key of revision r
+  uint64_t checked = 0, far = 0;
   const std::size_t total = kWatchHistoryEvents + 4 * kWatchScanEvents;
   for (std::size_t i = 0; i < total; ++i) {
-    const std::string& k = keys[rng() % keys.size()];
+    const std::string& k = rng() % 1000 < 997 ? hot : keys[rng() % keys.size()];
     f.kv.set(1, k, "v", false);
     log.push_back(k);
     if (i % 61 != 0) continue;
@@ -228,6 +229,7 @@ TEST(watch_from_far_back_matches_a_scan_of_the_history) {
       const uint64_t back = rng() % 2 == 0 ? rng() % (kWatchScanEvents * 2) : rng() % rev;
       const uint64_t after = rev - std::min(back, rev);
       uint64_t want = 0;
+      if (after + 1 >= oldest && rev - after > kWatchScanEvents) ++far;
       for (uint64_t r = after + 1; r <= rev && want == 0; ++r) {
         const std::string& e = log[r - 1];
         if (prefix ? e.compare(0, w.size(), w) == 0 && e.size() >= w.size() : e == w) want = r;
@@ -248,6 +250,7 @@ TEST(watch_from_far_back_matches_a_scan_of_the_history) {
     }
   }
   CHECK(checked > 3000);
+  CHECK(far > 1000);
   CHECK_EQ(f.kv.history_size(), kWatchHistoryEvents);
 }
 
