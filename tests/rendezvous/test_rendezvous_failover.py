@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeo
 
 import elasticstore
 from elasticstore.rendezvous.failover import FAILOVER_WAIT, HostRecord, find_standing
+from elasticstore.rendezvous import takeover
 from elasticstore.rendezvous.handler import ElasticRendezvousHandler
 from elasticstore.rendezvous.registry import backend as backend_row
 from elasticstore.rendezvous.state import Keys, RoundState
@@ -221,6 +222,50 @@ def test_store_host_lost_two_survivors_form_the_next_round_on_the_next_host() ->
             failure = json.loads(st.try_get(KEYS.failure) or b"null")
             assert failure == {"rank": 5, "message": "boom", "node": c.node_id}
         assert took < 10, f"{took:.2f}s"
+
+
+def test_a_loss_reported_late_on_the_store_left_behind_moves_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three nodes; the host is lost. Round 1's ring watcher on the lost store (C's, watching A)
+    reports its failure late, as its thread may: once while C already switches (it took the
+    loss; the next host not yet attached) and once after round 2 formed on the next host. Both
+    reports are stale: C stays on the next host, and the next round forms there with both
+    survivors. (Taken for a loss of the next host, such a report once made C take the store
+    over a second time, at its own address: two stores of one run.)"""
+    with group(3, 3) as g:
+        a, b, c = g.handlers
+        g.round(0, 1, 2)
+        assert c._ring is not None and c._ring._on_error is not None
+        stale = c._ring._on_error  # round 1's ring watcher, on A's store
+
+        def report() -> None:
+            stale(elasticstore.StoreNetworkError(
+                f"watch prefix \"{KEYS.alive(a.node_id)}\": {g.endpoint(0)}: the server closed "
+                "the connection while WATCH was waiting for its reply"))
+
+        switch = takeover.take_over
+
+        def reported_while_switching(h: ElasticRendezvousHandler, cause: BaseException) -> None:
+            if h is c:
+                report()
+            switch(h, cause)
+
+        monkeypatch.setattr(takeover, "take_over", reported_while_switching)
+        g.lose(0)
+        for h in (b, c):
+            until(lambda h=h: h.num_nodes_waiting() > 0, 10, "num_nodes_waiting > 0")
+        results = g.start(1, 2).wait(30)
+        assert not any(isinstance(r, BaseException) for r in results.values()), results
+        assert b.round == c.round == RoundState(2, (b.node_id, c.node_id))
+
+        report()  # after round 2 formed
+        assert c._lost is None and c.num_nodes_waiting() == 0
+        b.end_round("a worker failed")
+        results = g.start(1, 2, join=next_round).wait(30)
+        assert not any(isinstance(r, BaseException) for r in results.values()), results
+        assert b.round == c.round == RoundState(3, (b.node_id, c.node_id))
+        assert moves(b) == moves(c) == [(g.endpoint(1), 2)]  # one switch: to B, and no other
+        assert c._backend.server is None and c._early_backend is None
 
 
 def test_store_host_lost_a_standby_enters_the_next_round() -> None:
@@ -430,7 +475,8 @@ def test_a_node_back_from_a_stop_joins_the_newer_round_not_a_store_of_its_own() 
         # and gives it up for one at round 2 (the others moved on from its last round).
         other = HostRecord(2, b.node_id, g.endpoint(1))
         assert (a._outranked(other, 1), a._outranked(other, 2)) == (False, True)
-        b._saw_loss(elasticstore.StoreNetworkError("no reply within 6 s (the node was stopped)"))
+        b._saw_loss(elasticstore.StoreNetworkError("no reply within 6 s (the node was stopped)"),
+                    b._backend)
         joins = g.start(1)  # B joins: A's store, never one of its own
         waiting = g.start(0, 2, join=next_round)
         results = {**joins.wait(FAILOVER_WAIT + 40), **waiting.wait(FAILOVER_WAIT + 40)}

@@ -55,7 +55,7 @@ class Decider:
     ) -> None:
         self._b, self._k, self._s = backend, keys, settings
         self._target, self._deadline, self._on_deadline = target, deadline, on_deadline
-        self._fence = fence  # raises when this store must not form a round (agent_side._fence)
+        self._fence = fence  # raises when this store must not form a round (host_loss._fence)
         self._min_since: float | None = None  # kept across passes: the last call goes on
         self._passes = 0
         self._wrote = False

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import NoReturn
 
 from torch.distributed import Store as TorchStore
@@ -130,8 +131,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
 
     def _next_rendezvous(self) -> RendezvousInfo:
         for _ in range(64):  # a pass per switch of store host
-            if (lost := self._lost) is not None:
-                self._lost = None
+            if (lost := self._take_loss()) is not None:
                 takeover.take_over(self, lost)
             try:
                 return self._join_next()
@@ -282,8 +282,7 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             error = RendezvousConnectionError(
                 f"lost the rendezvous store at {backend.endpoint} ({backend.name}): {exc}")
             error.__cause__ = exc
-            if backend is self._backend:  # not a store this node has switched away from
-                self._saw_loss(error)
+            self._saw_loss(error, backend)  # ignored on a store this node switched from
             raise error from exc
 
     def _read_round(self) -> RoundState | None:
@@ -358,7 +357,8 @@ class ElasticRendezvousHandler(AgentSide, RendezvousHandler):
             spare, self._spare = self._spare, None
             silent = self._settings.lease_ttl if backend.needs_heartbeat else None
             self._ring = RingWatcher(spare or backend.clone(), keys, state.round, successor, silent,
-                                     self._saw_loss if self._fails_over else None)
+                                     partial(self._saw_loss, of=backend) if self._fails_over
+                                     else None)
         if rank == 0:
             self._worker_server = host_worker_store(self._addr, state, self._settings.store_token)
             boot = self._worker_server.address
