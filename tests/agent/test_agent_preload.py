@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import shutil
+import time
 from importlib.machinery import PathFinder
 from typing import Any
 
@@ -19,6 +20,7 @@ from paths import ROOT, program
 
 import torch
 
+from elasticstore.agent.forkclient import ForkServer
 from elasticstore.agent.importreport import third_party_origin
 from elasticstore.run import parse
 
@@ -185,6 +187,69 @@ def test_fork_server_that_got_a_thread_is_replaced(tmp_path: object) -> None:
     assert sorted(_records(workdir)) == [0, 1]
     [event] = _events(workdir, "preload")
     assert event["tainted"].startswith("sometimes: ")
+
+
+@pytest.mark.slow
+def test_a_fork_server_taught_the_jobs_modules_imports_them_before_it_serves(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the agent of a node that joins a running job teaches its fork server (the run's
+    list, ``share_imports``): the third-party modules are imported before the server answers,
+    each checked as a worker's report is (one whose import starts a thread is refused); the
+    standard library, project code and names of no module are not; the next report names
+    every module preloaded (what this node would share in turn)."""
+    workdir = str(tmp_path)
+    _, env = _layout(workdir)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    server = ForkServer(True)
+    try:
+        assert server.teach(["slowpkg", "slowpkg.lazy", "threadpkg", "json", "os.path",
+                             "projmod", "no_such_module", "slowpkg.optional", "1x", "a..b"])
+        with open(os.path.join(workdir, "imports.log")) as f:  # imported before the answer
+            assert f"slowpkg.lazy {server.proc.pid} {os.getpid()}" in f.read().splitlines()
+        report = server.preloads()
+    finally:
+        server.close()
+    assert report is not None
+    assert report.names == ["slowpkg", "slowpkg.lazy"]
+    assert (report.preloaded, report.submodules) == (["slowpkg"], 1)
+    assert list(report.refused) == ["threadpkg"], report.refused
+    assert "started a thread" in report.refused["threadpkg"]
+    assert report.unavailable == 1  # slowpkg.optional: ImportError, as in the workers
+
+
+@pytest.mark.slow
+def test_a_node_joining_a_running_job_starts_its_first_workers_with_the_jobs_imports(
+        tmp_path: object) -> None:
+    """Node A runs the job alone (nnodes 1:2): its first workers import the packages, its fork
+    server preloads them, and at its next round A, rank 0, shares the list in the run's store.
+    Node B, started then, has its fork server import that list before it joins: its first
+    worker starts with the packages imported (B takes a place without paying their import),
+    and B says so."""
+    workdir = str(tmp_path)
+    script, env = _layout(workdir)
+    port = free_port()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1",
+              "--rdzv-endpoint", f"127.0.0.2:{port}", "--rdzv-id", "joins"]
+    job = ["--dir", workdir, "--modules", "slowpkg,slowpkg.lazy",
+           "--await-server-import", "slowpkg.lazy", "--hold-attempt", "1"]
+    with agents(workdir) as a:
+        first = a.start([*common, "--local-addr", "127.0.0.2"], job, name="a", script=script,
+                        env=env)
+        held = os.path.join(workdir, "preload-1-0.json")  # A's second round runs (and waits)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(held):
+            assert first.poll() is None and time.monotonic() < deadline, a.output(first)
+            time.sleep(0.1)
+        late = a.start([*common, "--local-addr", "127.0.0.3"], job, name="b", script=script,
+                       env=env)
+        assert a.wait(late, 120) == 0, a.output(late)
+        assert a.wait(first, 60) == 0, a.output(first)
+        out_a, out_b = a.output(first), a.output(late)
+    with open(os.path.join(workdir, "preload-2-1.json")) as f:  # B's first worker (rank 1)
+        record = json.load(f)
+    assert record["loaded_at_start"] == ["slowpkg", "slowpkg.lazy"], (out_a, out_b)
+    assert record["import_seconds"]["slowpkg.lazy"] < 0.1
+    assert "preloaded for this round: slowpkg and 1 submodule(s) of those" in out_b, out_b
 
 
 def test_third_party_is_what_a_site_directory_holds(tmp_path: object) -> None:

@@ -225,7 +225,7 @@ class Agent:
         return attempt, base, world
 
     def _start(self, info: RendezvousInfo, attempt: int, base: int, world: int) -> None:
-        self._server = settle_preloads(self._live_server(), self.events)
+        self._server = settle_preloads(self._live_server(), self.events, self.handler.share_imports)
         logs = self._log_root or self._tmp or "."
         if self._run_dir is None:
             self._run_dir = run_log_dir(logs, self.s.run_id, self.s.log_layout)

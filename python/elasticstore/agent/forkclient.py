@@ -10,6 +10,9 @@ it reaped it.
 Before a round the agent may instead send ``{"op": "preload"}`` with one descriptor: the server
 replies on it with what it preloaded and refused since the last such request (``PreloadReport``'s
 fields as JSON, ``preload.Preloader.report``); what it has not done yet it does when idle again.
+Before a node's first round, ``{"op": "teach", "names"}`` with one descriptor: the modules the
+job's workers import on the other nodes, which the server imports at once and then answers
+``done`` on it (``preload.Preloader.teach``); a stand-in serving meanwhile answers ``busy``.
 
 Where the server comes from: a warm server is a copy of the launcher forked before the launcher
 starts anything (``ForkServer(fork=True)``: torch, already imported by the launcher, is imported
@@ -31,6 +34,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .logs import say
@@ -38,6 +42,9 @@ from .logs import say
 __all__ = ["ForkServer", "PreloadReport", "fork_refusal", "read_status", "settle_preloads"]
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
+TEACH_BYTES = 96 * 1024  # the module names sent in one "teach" (preload.SHARED_BYTES)
+TEACH_WAIT_S = 90.0  # the longest a node waits for them to be imported (the server: 60 s)
+TEACH_RETRY_S = 0.2  # asked again while a stand-in answers for the server
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ class PreloadReport:
     unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)
     submodules: int = 0  # preloaded submodules of the packages in ``preloaded``
     # preloaded although its import looked up worker variables (unset in the fork server)
-    env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
+    env_reads: dict[str, list[str]] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # every module preloaded, submodules too  # the server is no longer safe to fork (and forks no more)
 
 
 # The launcher's signal dispositions as its workers would inherit them through exec ("ignore" or
@@ -73,6 +81,7 @@ class ForkServer:
         self._forked = False  # whether a worker was ever asked for
         self.learn = learn and preload
         self.refused = dict(refused or {})
+        self.shared: list[str] = []  # every module it preloaded, for the run's list (in order)
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
         options = {"learn": self.learn, "refused": self.refused, "signals": LAUNCHER_SIGNALS}
@@ -146,7 +155,8 @@ class ForkServer:
             refused={str(k): str(v) for k, v in msg.get("refused", {}).items()},
             seconds=float(msg.get("seconds", 0.0)), tainted=msg.get("tainted"),
             unavailable=int(msg.get("unavailable", 0)), submodules=int(msg.get("submodules", 0)),
-            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()})
+            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()},
+            names=[str(n) for n in msg.get("names", [])])
         self.refused.update(report.refused)
         return report
 
@@ -165,10 +175,42 @@ class ForkServer:
             theirs.close()
             mine.close()
 
+    def teach(self, names: list[str], timeout: float = TEACH_WAIT_S) -> bool:
+        """Has the server import ``names`` (what the job's workers import on the other nodes;
+        at most ``TEACH_BYTES`` of them) before it serves; True once it did, False when it
+        could not within ``timeout``. A stand-in serving meanwhile (an idle import) answers
+        ``busy``: asked again every ``TEACH_RETRY_S``."""
+        taken, size = [], 0
+        for name in names:
+            size += len(name) + 4
+            if size > TEACH_BYTES:
+                break
+            taken.append(name)
+        msg = json.dumps({"op": "teach", "names": taken}).encode()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                socket.send_fds(self._ctl, [msg], [theirs.fileno()])
+                theirs.close()
+                mine.settimeout(max(0.1, deadline - time.monotonic()))
+                answer = mine.recv(16)
+            except OSError:
+                return False
+            finally:
+                theirs.close()
+                mine.close()
+            if answer != b"busy":
+                return answer == b"done"
+            time.sleep(TEACH_RETRY_S)
+        return False
+
     def replacement(self) -> ForkServer:
         """A fresh server with the same settings, refusing what this one refused (a fresh
         interpreter: this process has threads now)."""
-        return ForkServer(self.preload, self.learn, self.refused)
+        fresh = ForkServer(self.preload, self.learn, self.refused)
+        fresh.shared = list(self.shared)
+        return fresh
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -282,18 +324,28 @@ def read_status(sock: socket.socket) -> int | None:
     return int(data[5:]) if data.startswith("exit ") else None
 
 
-def settle_preloads(server: ForkServer, events: Any) -> ForkServer:
+def settle_preloads(server: ForkServer, events: Any,
+                    share: Callable[[list[str]], None] | None = None) -> ForkServer:
     """Before a round's workers are forked: the server finishes preloading what the last
     round's workers imported; says what was preloaded and refused (a console line and a
     ``preload`` event). A server that is no longer safe to fork is replaced by a fresh one (its
     refusals carried over): the fresh one pays ``import torch`` once more before this round, and
-    learns the packages again from this round's workers."""
+    learns the packages again from this round's workers. ``share``
+    (``AgentRendezvous.share_imports``): given every module preloaded so far when there are new
+    ones, for nodes that join later (never fails the round)."""
     if not server.learn or not server.alive():
         return server
     report = server.preloads()
     if report is None or not (report.preloaded or report.submodules or report.refused
                               or report.tainted):
         return server
+    known = set(server.shared)
+    server.shared += [n for n in report.names if n not in known]
+    if share is not None and len(server.shared) > len(known):
+        try:
+            share(server.shared)
+        except Exception as exc:  # the list is an optimisation: the round goes on without it
+            say(f"[elasticstore-run] sharing the preloaded modules with later nodes failed: {exc}")
     packages, submodules = report.preloaded, report.submodules
     if packages or submodules:
         more = f" and {submodules} submodule(s) of those" if submodules else ""

@@ -123,8 +123,8 @@ class _Server:
                             os.write(fd, b"ready")
                         os.close(fd)
                     continue
-                if request.get("op") == "preload":  # sent only to a learner
-                    for fd in fds if learner is None else learner.answer(fds):
+                if request.get("op") in ("preload", "teach"):  # sent only to a learner
+                    for fd in fds if learner is None else learner.request(request, fds):
                         os.close(fd)
                     continue
                 job = self._fork(request, fds)

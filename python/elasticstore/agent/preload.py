@@ -16,6 +16,7 @@ Standard library only: the fork server (run as a script) loads this file by its 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import selectors
@@ -37,6 +38,8 @@ MAX_NAME = 200  # longer reported names are ignored (no module is named like tha
 MAX_REPORT = 4000  # bytes of one report line (importreport.MAX_REPORT)
 MAX_PACKAGES = 50_000  # distinct module names a fork server takes from its workers
 MAX_LISTED = 500  # names of each kind in one report to the agent (the rest are not named)
+SHARED_BYTES = 96 * 1024  # the names of what was preloaded, in one report (for other nodes)
+TEACH_BUDGET_S = 60.0  # the longest a fork server imports what it is taught before it serves
 REPORT_PIPE_BYTES = 1 << 20  # the report pipe's buffer (Linux's F_SETPIPE_SZ)
 PROBE_TIMEOUT_S = 300.0  # a probe that imports for longer is killed and its package refused
 PR_SET_PDEATHSIG = 1
@@ -280,13 +283,51 @@ class Preloader:
             name, origin = str(msg["name"]), msg.get("origin")
         except (ValueError, KeyError, TypeError):
             return
+        self._add(name, origin if isinstance(origin, str) else None)
+
+    def _add(self, name: str, origin: str | None) -> None:
         if (len(name) > MAX_NAME or not all(p.isidentifier() for p in name.split("."))
                 or name in self.known or name.partition(".")[0] in self.refused
                 or name in self.refused or len(self.known) >= MAX_PACKAGES):
             return
         self.known.add(name)
         if name not in sys.modules:
-            self.pending.append((name, origin if isinstance(origin, str) else None))
+            self.pending.append((name, origin))
+
+    def teach(self, names: object) -> None:
+        """What the job's workers import on the other nodes: imported now, before this process
+        serves (``TEACH_BUDGET_S`` at most; the rest when idle), checked as reports are; a name
+        only where its top-level package is in a site directory here (``self.locate``)."""
+        import importlib.util
+
+        origins: dict[str, str | None] = {}
+        for name in names[:MAX_PACKAGES] if isinstance(names, list) else []:
+            top = name.partition(".")[0] if isinstance(name, str) else ""
+            if not top.isidentifier():
+                continue
+            if top not in origins:
+                try:
+                    spec = getattr(sys.modules.get(top), "__spec__", None) or \
+                        importlib.util.find_spec(top)
+                except (ImportError, ValueError):
+                    spec = None
+                origins[top] = self.locate(spec, sys.path) if spec is not None else None
+            if origins[top] is not None:
+                self._add(name, origins[top] if name == top else None)
+        deadline = time.monotonic() + TEACH_BUDGET_S
+        self.work(lambda: time.monotonic() > deadline)
+
+    def request(self, msg: dict[str, Any], fds: list[int]) -> list[int]:
+        """The agent's request (only to a learner): ``teach``, answered ``done`` on ``fds[0]``
+        once imported; else the report before a round (``answer``). Returns what to close."""
+        if msg.get("op") != "teach":
+            return self.answer(fds)
+        self.teach(msg.get("names"))
+        try:
+            os.write(fds[0], b"done")
+        except (IndexError, OSError):
+            pass
+        return fds
 
     def work(self, stop: Callable[[], bool]) -> None:
         """Probes and imports the pending packages while the fork server is idle; ``stop()``
@@ -346,7 +387,9 @@ class Preloader:
         top-level packages preloaded and how many submodules (one message: bounded)."""
         packages = [n for n in self.preloaded if "." not in n]
         refused = dict(list(self.new_refused.items())[:MAX_LISTED])
-        out = {"preloaded": packages[:MAX_LISTED], "refused": refused,
+        sizes = itertools.accumulate(len(n) + 4 for n in self.preloaded)  # for the run's list
+        names = [n for n, size in zip(self.preloaded, sizes) if size <= SHARED_BYTES]
+        out = {"preloaded": packages[:MAX_LISTED], "refused": refused, "names": names,
                "submodules": len(self.preloaded) - len(packages),
                "unavailable": self.unavailable,
                "env_reads": dict(list(self.env_reads.items())[:MAX_LISTED]),

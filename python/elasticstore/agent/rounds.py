@@ -20,16 +20,18 @@ from ..rendezvous.state import AgentKeys
 from .forkclient import ForkServer
 from .logs import say
 
-__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "say_moves", "say_round"]
+__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "preload_job_imports", "say_moves",
+           "say_round"]
 
 ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the round's store
 
 
 class RendezvousCall:
     """``handler.next_rendezvous()`` in a daemon thread (``thread``), started at once. With
-    ``warm`` (a node's first round) the thread first waits for that fork server to be warm
-    (torch imported): a node joining a running job (a replacement, a scale-up) then ends the
-    others' round only when its workers can start at once, not while it still imports torch.
+    ``warm`` (a node's first round) the thread first has that fork server import what the job's
+    workers import on the other nodes (``preload_job_imports``) and waits for it to be warm
+    (torch imported): a node joining a running job (a replacement, a standby, a scale-up) then
+    ends the others' round only when its workers can start at once, not while it still imports.
     The call is not made when the agent stopped waiting meanwhile (a signal)."""
 
     def __init__(self, handler: AgentRendezvous, warm: ForkServer | None = None) -> None:
@@ -41,6 +43,7 @@ class RendezvousCall:
         def target() -> None:
             try:
                 if warm is not None:
+                    preload_job_imports(handler, warm)
                     warm.wait_warm()
                 if abandoned.is_set():
                     raise InterruptedError("the agent stopped waiting for the rendezvous")
@@ -79,6 +82,23 @@ class RendezvousCall:
             return 1
         finally:
             self._done_r.close()
+
+
+def preload_job_imports(handler: AgentRendezvous, server: ForkServer) -> None:
+    """Before a node's first round: its fork server imports the modules the job's workers
+    import, as the run's list has them (``share_imports`` by a round's rank-0 node;
+    ``preload.Preloader.teach`` checks each), so that its first workers start with them; a node
+    that takes a lost node's place then costs the others no more than one that restarts. Says
+    what it did; never fails the join (nothing listed yet: a new job's nodes, nothing to do)."""
+    if not server.learn:
+        return
+    try:
+        names = handler.shared_imports()
+        if names and not server.teach(names):
+            say("[elasticstore-run] the fork server did not import the job's modules in time: "
+                "this node's first workers import them")
+    except Exception as exc:  # an optimisation: the join goes on without it
+        say(f"[elasticstore-run] reading the job's modules to preload failed: {exc}")
 
 
 def _node_of(value: bytes, node: int) -> tuple[int, int]:

@@ -124,10 +124,11 @@ class StandIn:
             if not msg:
                 os._exit(0)  # the agent closed the socket or died: the fork server sees it
             request = json.loads(msg)
-            if request.get("op") in ("ready", "preload"):
+            if request.get("op") in ("ready", "preload", "teach"):  # teach: the fork server's, first
                 answer = b"ready" if request["op"] == "ready" else json.dumps(NOTHING_YET).encode()
                 try:
-                    os.write(fds[0], answer)
+                    if fds:
+                        os.write(fds[0], answer)
                 except OSError:
                     pass
                 for fd in fds:

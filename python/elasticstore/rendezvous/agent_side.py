@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousInfo
@@ -16,12 +16,15 @@ from ..stores.native.server import StoreServer
 from .closing import FINISHED, EndedWatch, RoundWatch, closed_reason_of, wait_alone
 from .failover import HostRecord
 from .host_loss import END_GRACE_S, HostLoss
+from .records import parse_json
 from .state import RoundState
 from .worker_store import peer_finished
 
 __all__ = ["AgentSide"]
 
 log = logging.getLogger(__name__)
+
+MAX_SHARED_IMPORTS = 4096  # module names in the run's list (``share_imports``)
 
 
 class AgentSide(HostLoss):
@@ -78,6 +81,26 @@ class AgentSide(HostLoss):
             self._backend.set(self._keys.status_nodes + self._node, json.dumps(data))
             if failure is not None:
                 self._backend.set(self._keys.failure, self._carried.failure or b"")
+
+    def share_imports(self, names: Sequence[str]) -> None:
+        """Publishes the modules this node's fork server preloaded (at most
+        ``MAX_SHARED_IMPORTS`` names), for a node that joins later to preload them before its
+        first round (``agent/preload.py``): one write, outside the decider's prefix, by the
+        current round's rank-0 node only (the others' calls do nothing)."""
+        rnd = self._round
+        if rnd is None or rnd.rank_of(self._node) != 0:
+            return
+        with self._guard():
+            self._backend.set(self._keys.imports, json.dumps(list(names[:MAX_SHARED_IMPORTS])))
+
+    def shared_imports(self) -> list[str]:
+        """The run's list (``share_imports``): its strings, at most ``MAX_SHARED_IMPORTS`` ([]
+        when there is none or it is not a JSON list; the fork server checks each name)."""
+        with self._guard():
+            value = parse_json(self._backend.get(self._keys.imports))
+        if not isinstance(value, list):
+            return []
+        return [name for name in value if isinstance(name, str)][:MAX_SHARED_IMPORTS]
 
     def peer_statuses(self) -> list[dict[str, object]]:
         """The other nodes' status records (JSON objects; a record that does not parse is left

@@ -133,6 +133,16 @@ class AgentRendezvous(Protocol):
         """The other nodes' status records (``publish_status``) as they are now: one listing
         and one read per node; [] for a backend that keeps none. Raises like ``is_closed``."""
 
+    def share_imports(self, names: Sequence[str]) -> None:
+        """Publishes the modules the job's workers import (what this node's fork server
+        preloaded), for a node that joins later to preload before its first round: one store
+        write where this node is its round's rank 0, else (and for a backend that keeps no such
+        list) nothing."""
+
+    def shared_imports(self) -> list[str]:
+        """The list ``share_imports`` published ([] when none, or for a backend that keeps
+        none); names, unchecked (the fork server checks each). One store read."""
+
 
 class PollWatch:
     """A round watch for a handler without one: asks ``num_nodes_waiting()`` every
@@ -232,6 +242,12 @@ class BasicRendezvous:
         return None
 
     def peer_statuses(self) -> list[dict[str, object]]:
+        return []
+
+    def share_imports(self, names: Sequence[str]) -> None:
+        return None
+
+    def shared_imports(self) -> list[str]:
         return []
 
 

@@ -18,6 +18,8 @@ Keys of run ``R`` (relative to the backend's store)::
                               at a node's own endpoint, never in the served store
     status/R/node/{node}      an agent's status (JSON), for ``elasticstore status``
     status/R/failure          the last failure's root cause (JSON)
+    status/R/imports          the modules the job's workers import (JSON list of names), written
+                              by a round's rank-0 node for nodes that join later to preload
     beat/R/{node}             native: the node's heartbeat count, on its liveness key's session
 
 Status and heartbeat keys live outside ``rdzv/R/``: the decider watches that prefix, and status
@@ -150,6 +152,7 @@ class Keys:
         self.status_prefix = f"status/{run_id}/"
         self.status_nodes = self.status_prefix + "node/"
         self.failure = self.status_prefix + "failure"
+        self.imports = self.status_prefix + "imports"
         self.beat_prefix = f"beat/{run_id}/"
 
     def alive(self, node: str) -> str:

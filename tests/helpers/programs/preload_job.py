@@ -6,7 +6,8 @@ ImportError is expected and ignored), writes ``preload-<attempt>-<rank>.json`` t
 exits 1 in attempt 0 (a restart). ``--await-server-import NAME``: rank 0 of attempt 0 first waits
 until ``D/imports.log`` (where the test's packages write ``name pid ppid`` when imported) shows
 NAME imported by its parent, the fork server, and the fork server is done importing (no copy of
-it, its stand-in or a probe, is among its children).
+it, its stand-in or a probe, is among its children). ``--hold-attempt N``: rank 0 of attempt N
+waits (at most 300 s) once it wrote its record, until its agent stops it (another node joins).
 """
 
 import argparse
@@ -39,6 +40,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
 parser.add_argument("--modules", required=True)
 parser.add_argument("--await-server-import", default=None)
+parser.add_argument("--hold-attempt", default=None)
 args = parser.parse_args()
 names = args.modules.split(",")
 loaded = [n for n in names if n in _AT_START]
@@ -56,6 +58,8 @@ path = os.path.join(args.dir, f"preload-{attempt}-{rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump({"loaded_at_start": loaded, "import_seconds": took}, f)
 os.replace(path + ".tmp", path)
+if attempt == args.hold_attempt and rank == "0":
+    time.sleep(300)
 if attempt == "0" and rank == "0":
     if args.await_server_import:
         wanted = f"{args.await_server_import} {os.getppid()} "
