@@ -217,6 +217,42 @@ def test_a_fork_server_taught_the_jobs_modules_imports_them_before_it_serves(
     assert report.unavailable == 1  # slowpkg.optional: ImportError, as in the workers
 
 
+def _stand_in_of(server: int) -> bool:
+    """Whether a copy of the fork server (its stand-in or a probe) is among its children: it
+    is importing in its idle time (``preload_job.importing``)."""
+    def cmdline(pid: object) -> bytes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    with open(f"/proc/{server}/task/{server}/children") as f:
+        return any(cmdline(p) == cmdline(server) for p in f.read().split())
+
+
+@pytest.mark.slow
+def test_a_fork_server_busy_importing_is_taught_once_it_serves_again(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list may come while the fork server imports in its idle time (``torch._dynamo``, 3 s
+    after its start without a fork) and its stand-in answers: the stand-in says it is busy, and
+    the agent asks again until the server itself imported the list."""
+    workdir = str(tmp_path)
+    _, env = _layout(workdir)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    server = ForkServer(True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _stand_in_of(server.proc.pid):
+            assert time.monotonic() < deadline, "the fork server never imported in its idle time"
+            time.sleep(0.02)
+        assert server.teach(["slowpkg", "slowpkg.lazy"])
+        with open(os.path.join(workdir, "imports.log")) as f:
+            assert f"slowpkg.lazy {server.proc.pid} {os.getpid()}" in f.read().splitlines()
+    finally:
+        server.close()
+
+
 @pytest.mark.slow
 def test_a_node_joining_a_running_job_starts_its_first_workers_with_the_jobs_imports(
         tmp_path: object) -> None:

@@ -124,8 +124,10 @@ class StandIn:
             if not msg:
                 os._exit(0)  # the agent closed the socket or died: the fork server sees it
             request = json.loads(msg)
-            if request.get("op") in ("ready", "preload", "teach"):  # teach: the fork server's, first
-                answer = b"ready" if request["op"] == "ready" else json.dumps(NOTHING_YET).encode()
+            op = request.get("op")
+            if op in ("ready", "preload", "teach"):  # "teach" is the fork server's: asked again
+                answers = {"ready": b"ready", "teach": b"busy"}
+                answer = answers.get(op) or json.dumps(NOTHING_YET).encode()
                 try:
                     if fds:
                         os.write(fds[0], answer)
