@@ -2,9 +2,10 @@
 
 ``ImportReporter`` sits first on a warm worker's ``sys.meta_path``. Third-party: a top-level
 module or package that the worker found in a ``sys.path`` entry named ``site-packages`` or
-``dist-packages`` (what ``pip install`` writes), and the submodules of one; never the standard
-library, the script, a module from the script's directory or from a project directory on
-``PYTHONPATH``.
+``dist-packages`` (what ``pip install`` writes), and the submodules of one, also of one the
+worker started with (torch: its ``distributed.fsdp``, ``distributed.checkpoint``, ...); never
+the standard library, the script, a module from the script's directory or from a project
+directory on ``PYTHONPATH``.
 
 Standard library only: the fork server (run as a script) loads this file by its path.
 """
@@ -72,10 +73,25 @@ class ImportReporter:
         self._fd = fd
         self._pipe = _identity(fd)
         self._third_party: set[str] = set()
+        self._checked: set[str] = set()  # top-level modules imported before, looked at once
+
+    def _loaded_third_party(self, top: str) -> bool:
+        """Whether ``top`` was imported before this worker started (by the fork server: torch,
+        what it preloaded) and is third-party: the submodules of it that the worker imports
+        (torch.distributed.fsdp, ...) are reported too. Looked at once per package."""
+        module = sys.modules.get(top)
+        if module is None or top in self._checked:
+            return False
+        self._checked.add(top)
+        spec = getattr(module, "__spec__", None)
+        if spec is None or third_party_origin(spec, sys.path) is None:
+            return False
+        self._third_party.add(top)
+        return True
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
         top = name.partition(".")[0]
-        if top != name and top not in self._third_party:
+        if top != name and top not in self._third_party and not self._loaded_third_party(top):
             return None
         finders = sys.meta_path
         spec = None
