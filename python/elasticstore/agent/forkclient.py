@@ -348,7 +348,7 @@ def settle_preloads(server: ForkServer, events: Any,
             say(f"[elasticstore-run] sharing the preloaded modules with later nodes failed: {exc}")
     packages, submodules = report.preloaded, report.submodules
     if packages or submodules:
-        more = f" and {submodules} submodule(s) of those" if submodules else ""
+        more = f" and {submodules} submodule(s)" if submodules else ""
         skipped = (f"; {report.unavailable} submodule(s) skipped (ImportError: an optional "
                    "dependency is missing)") if report.unavailable else ""
         say(f"[elasticstore-run] preloaded for this round: {', '.join(packages) or '-'}{more} "

@@ -19,15 +19,15 @@ Unless the agent turns it off, warm workers report the third-party packages they
 (``importreport.py``), which this process preloads when idle (``preload.py``) while a copy of it
 forked before the import began (``standin.py``) serves the agent: a restart never waits for an
 import, and no fork is ever taken from a module imported in part. A worker's exit during such an
-import is reported from the SIGCHLD handler. The worker runs its script with ``warmrun.py``.
-Protocol: see ``forkclient.py``.
-"""
+import is reported from the SIGCHLD handler. The worker runs ``warmrun.py``; the protocol:
+``forkclient.py``."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import select
@@ -46,7 +46,8 @@ PR_SET_CHILD_SUBREAPER = 36
 # Imported by the fork server before its first fork, so that no worker pays for them again.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
 # Imported once the server has forked and been idle IDLE_PRELOAD_S, or UNFORKED_PRELOAD_S after
-# its start without a fork (a standby node), while a stand-in forks (standin.py): no round waits.
+# its start without a fork (a standby node), while a stand-in forks (standin.py): no round waits;
+# at once when it is taught what a running job imports (a node that joins it: forkclient.teach).
 # torch._dynamo: every torch.optim optimizer imports it (1.4-3 s).
 DEFERRED_PRELOAD = ("torch._dynamo",)
 IDLE_PRELOAD_S = 0.5
@@ -124,6 +125,9 @@ class _Server:
                         os.close(fd)
                     continue
                 if request.get("op") in ("preload", "teach"):  # sent only to a learner
+                    while request["op"] == "teach" and self.deferred and learner is not None:
+                        _import(self.deferred.pop(0))  # a node that joins a job: all of it now
+                        learner.rebase()  # what the fork server itself imports is trusted
                     for fd in fds if learner is None else learner.request(request, fds):
                         os.close(fd)
                     continue
@@ -312,8 +316,6 @@ def _exec(job: dict[str, Any]) -> None:
 
 
 def _import(name: str) -> None:
-    import importlib
-
     try:
         importlib.import_module(name)
     except Exception as exc:  # the worker then imports it itself (and reports it)
@@ -322,8 +324,6 @@ def _import(name: str) -> None:
 
 def _sibling(stem: str) -> Any:
     """``<stem>.py`` beside this file (this process runs as a script, outside the package)."""
-    import importlib.util
-
     name = f"_elasticstore_forkserver_{stem}"
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{stem}.py")
     spec = importlib.util.spec_from_file_location(name, path)
