@@ -21,6 +21,7 @@ from paths import ROOT, program
 import torch
 
 from elasticstore.agent.forkclient import ForkServer
+from elasticstore.agent.job_imports import held_names, teach
 from elasticstore.agent.importreport import third_party_origin
 from elasticstore.run import parse
 
@@ -202,15 +203,15 @@ def test_a_fork_server_taught_the_jobs_modules_imports_them_before_it_serves(
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     server = ForkServer(True)
     try:
-        assert server.teach(["slowpkg", "slowpkg.lazy", "threadpkg", "json", "os.path",
-                             "projmod", "no_such_module", "slowpkg.optional", "1x", "a..b"])
+        assert teach(server, ["slowpkg", "slowpkg.lazy", "threadpkg", "json", "os.path",
+                              "projmod", "no_such_module", "slowpkg.optional", "1x", "a..b"])
         with open(os.path.join(workdir, "imports.log")) as f:  # imported before the answer
             assert f"slowpkg.lazy {server.proc.pid} {os.getpid()}" in f.read().splitlines()
+        assert held_names(server) == ["slowpkg", "slowpkg.lazy"]  # what this node would share
         report = server.preloads()
     finally:
         server.close()
     assert report is not None
-    assert report.names == ["slowpkg", "slowpkg.lazy"]
     assert (report.preloaded, report.submodules) == (["slowpkg"], 1)
     assert list(report.refused) == ["threadpkg"], report.refused
     assert "started a thread" in report.refused["threadpkg"]
@@ -246,7 +247,7 @@ def test_a_fork_server_busy_importing_is_taught_once_it_serves_again(
         while not _stand_in_of(server.proc.pid):
             assert time.monotonic() < deadline, "the fork server never imported in its idle time"
             time.sleep(0.02)
-        assert server.teach(["slowpkg", "slowpkg.lazy"])
+        assert teach(server, ["slowpkg", "slowpkg.lazy"])
         with open(os.path.join(workdir, "imports.log")) as f:
             assert f"slowpkg.lazy {server.proc.pid} {os.getpid()}" in f.read().splitlines()
     finally:

@@ -10,9 +10,8 @@ it reaped it.
 Before a round the agent may instead send ``{"op": "preload"}`` with one descriptor: the server
 replies on it with what it preloaded and refused since the last such request (``PreloadReport``'s
 fields as JSON, ``preload.Preloader.report``); what it has not done yet it does when idle again.
-Before a node's first round, ``{"op": "teach", "names"}`` with one descriptor: the modules the
-job's workers import on the other nodes, which the server imports at once and then answers
-``done`` on it (``preload.Preloader.teach``); a stand-in serving meanwhile answers ``busy``.
+``{"op": "teach", "names"}`` and ``{"op": "names"}``: the modules a running job's workers import,
+taught to a joining node's server and read from a node's (``job_imports.py``).
 
 Where the server comes from: a warm server is a copy of the launcher forked before the launcher
 starts anything (``ForkServer(fork=True)``: torch, already imported by the launcher, is imported
@@ -33,18 +32,16 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from .job_imports import share_held
 from .logs import say
 
 __all__ = ["ForkServer", "PreloadReport", "fork_refusal", "read_status", "settle_preloads"]
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py")
-TEACH_BYTES = 96 * 1024  # the module names sent in one "teach" (preload.SHARED_BYTES)
-TEACH_WAIT_S = 90.0  # the longest a node waits for them to be imported (the server: 60 s)
-TEACH_RETRY_S = 0.2  # asked again while a stand-in answers for the server
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,7 @@ class PreloadReport:
     unavailable: int = 0  # submodules not preloaded: ImportError (an optional dependency missing)
     submodules: int = 0  # preloaded submodules of the packages in ``preloaded``
     # preloaded although its import looked up worker variables (unset in the fork server)
-    env_reads: dict[str, list[str]] = field(default_factory=dict)
-    names: list[str] = field(default_factory=list)  # every module preloaded, submodules too  # the server is no longer safe to fork (and forks no more)
+    env_reads: dict[str, list[str]] = field(default_factory=dict)  # the server is no longer safe to fork (and forks no more)
 
 
 # The launcher's signal dispositions as its workers would inherit them through exec ("ignore" or
@@ -81,7 +77,8 @@ class ForkServer:
         self._forked = False  # whether a worker was ever asked for
         self.learn = learn and preload
         self.refused = dict(refused or {})
-        self.shared: list[str] = []  # every module it preloaded, for the run's list (in order)
+        self.sharing: Any = None  # job_imports.share_held's, once this node shares its list
+        self.closed = threading.Event()
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         mode = "--preload" if preload else "--plain"
         options = {"learn": self.learn, "refused": self.refused, "signals": LAUNCHER_SIGNALS}
@@ -134,20 +131,28 @@ class ForkServer:
             raise RuntimeError(f"fork server: could not start {argv[:2]}: {reply or 'it died'}")
         return int(reply[4:]), mine
 
-    def preloads(self, timeout: float = 600.0) -> PreloadReport | None:
-        """What the server preloaded and refused since the last call (None: it did not
-        answer); it never waits for an import in progress (its stand-in answers then)."""
+    def ask(self, request: dict[str, Any], timeout: float) -> bytes | None:
+        """Sends ``request`` (an ``op``) with a descriptor to answer on; the answer (at most
+        1 MiB), or None when the server did not answer within ``timeout`` (or died)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            socket.send_fds(self._ctl, [json.dumps({"op": "preload"}).encode()], [theirs.fileno()])
+            socket.send_fds(self._ctl, [json.dumps(request).encode()], [theirs.fileno()])
             theirs.close()
             mine.settimeout(timeout)
-            msg: dict[str, Any] = json.loads(mine.recv(1 << 20) or b"null") or {}
-        except (OSError, ValueError):
+            return mine.recv(1 << 20)
+        except OSError:
             return None
         finally:
             theirs.close()
             mine.close()
+
+    def preloads(self, timeout: float = 600.0) -> PreloadReport | None:
+        """What the server preloaded and refused since the last call (None: it did not
+        answer); it never waits for an import in progress (its stand-in answers then)."""
+        try:
+            msg: dict[str, Any] = json.loads(self.ask({"op": "preload"}, timeout) or b"null") or {}
+        except ValueError:
+            return None
         if not msg:
             return None
         report = PreloadReport(
@@ -155,62 +160,19 @@ class ForkServer:
             refused={str(k): str(v) for k, v in msg.get("refused", {}).items()},
             seconds=float(msg.get("seconds", 0.0)), tainted=msg.get("tainted"),
             unavailable=int(msg.get("unavailable", 0)), submodules=int(msg.get("submodules", 0)),
-            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()},
-            names=[str(n) for n in msg.get("names", [])])
+            env_reads={str(k): [str(x) for x in v] for k, v in msg.get("env_reads", {}).items()})
         self.refused.update(report.refused)
         return report
 
     def wait_warm(self, timeout: float = 600.0) -> bool:
         """Blocks until the server has imported what it preloads for every worker (torch), so
         that a worker could be forked at once; False: it died or did not answer in time."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            socket.send_fds(self._ctl, [json.dumps({"op": "ready"}).encode()], [theirs.fileno()])
-            theirs.close()
-            mine.settimeout(timeout)
-            return mine.recv(16) == b"ready"
-        except OSError:
-            return False
-        finally:
-            theirs.close()
-            mine.close()
-
-    def teach(self, names: list[str], timeout: float = TEACH_WAIT_S) -> bool:
-        """Has the server import ``names`` (what the job's workers import on the other nodes;
-        at most ``TEACH_BYTES`` of them) before it serves; True once it did, False when it
-        could not within ``timeout``. A stand-in serving meanwhile (an idle import) answers
-        ``busy``: asked again every ``TEACH_RETRY_S``."""
-        taken, size = [], 0
-        for name in names:
-            size += len(name) + 4
-            if size > TEACH_BYTES:
-                break
-            taken.append(name)
-        msg = json.dumps({"op": "teach", "names": taken}).encode()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                socket.send_fds(self._ctl, [msg], [theirs.fileno()])
-                theirs.close()
-                mine.settimeout(max(0.1, deadline - time.monotonic()))
-                answer = mine.recv(16)
-            except OSError:
-                return False
-            finally:
-                theirs.close()
-                mine.close()
-            if answer != b"busy":
-                return answer == b"done"
-            time.sleep(TEACH_RETRY_S)
-        return False
+        return self.ask({"op": "ready"}, timeout) == b"ready"
 
     def replacement(self) -> ForkServer:
         """A fresh server with the same settings, refusing what this one refused (a fresh
         interpreter: this process has threads now)."""
-        fresh = ForkServer(self.preload, self.learn, self.refused)
-        fresh.shared = list(self.shared)
-        return fresh
+        return ForkServer(self.preload, self.learn, self.refused)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -219,6 +181,7 @@ class ForkServer:
         """The server kills what is left of every worker's tree and exits. A server that never
         forked has nothing to clean up: it is killed at once, not awaited (it may still be
         importing torch for seconds, as when a signal ends the job in its first rendezvous)."""
+        self.closed.set()
         self._ctl.close()
         if not self._forked:
             self.proc.kill()
@@ -325,27 +288,23 @@ def read_status(sock: socket.socket) -> int | None:
 
 
 def settle_preloads(server: ForkServer, events: Any,
-                    share: Callable[[list[str]], None] | None = None) -> ForkServer:
+                    share: Callable[[list[str]], bool] | None = None) -> ForkServer:
     """Before a round's workers are forked: the server finishes preloading what the last
     round's workers imported; says what was preloaded and refused (a console line and a
     ``preload`` event). A server that is no longer safe to fork is replaced by a fresh one (its
     refusals carried over): the fresh one pays ``import torch`` once more before this round, and
     learns the packages again from this round's workers. ``share``
-    (``AgentRendezvous.share_imports``): given every module preloaded so far when there are new
-    ones, for nodes that join later (never fails the round)."""
+    (``AgentRendezvous.share_imports``): given the modules the server holds whenever it holds
+    more (``ForkServer.share_held``), for nodes that join later."""
     if not server.learn or not server.alive():
         return server
     report = server.preloads()
+    if share is not None:
+        share_held(server, share, now=report is not None and bool(report.preloaded
+                                                                  or report.submodules))
     if report is None or not (report.preloaded or report.submodules or report.refused
                               or report.tainted):
         return server
-    known = set(server.shared)
-    server.shared += [n for n in report.names if n not in known]
-    if share is not None and len(server.shared) > len(known):
-        try:
-            share(server.shared)
-        except Exception as exc:  # the list is an optimisation: the round goes on without it
-            say(f"[elasticstore-run] sharing the preloaded modules with later nodes failed: {exc}")
     packages, submodules = report.preloaded, report.submodules
     if packages or submodules:
         more = f" and {submodules} submodule(s)" if submodules else ""

@@ -124,7 +124,7 @@ class _Server:
                             os.write(fd, b"ready")
                         os.close(fd)
                     continue
-                if request.get("op") in ("preload", "teach"):  # sent only to a learner
+                if request.get("op") in ("preload", "teach", "names"):  # sent only to a learner
                     while request["op"] == "teach" and self.deferred and learner is not None:
                         _import(self.deferred.pop(0))  # a node that joins a job: all of it now
                         learner.rebase()  # what the fork server itself imports is trusted

@@ -1,6 +1,5 @@
 """Preloading what the workers imported: each warm worker tells its fork server the third-party
-packages it imports (``importreport.py``), and the fork server imports them for the next round's
-workers.
+packages it imports (``importreport.py``), which it imports for the next round's workers.
 
 The fork server must stay safe to fork: no thread may appear in it and CUDA must stay untouched.
 Each batch of reported packages is first imported in a throwaway child of the fork server (a
@@ -16,6 +15,7 @@ Standard library only: the fork server (run as a script) loads this file by its 
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -227,11 +227,9 @@ class Preloader:
     known: set[str] = field(default_factory=set)
     preloaded: list[str] = field(default_factory=list)  # since the last report
     new_refused: dict[str, str] = field(default_factory=dict)  # since the last report
-    # Submodules whose import raised ImportError (an optional dependency that is not installed:
-    # the worker's own attempt failed the same way), since the last report: not worth a line each.
-    unavailable: int = 0
-    # Preloaded although their import looked up a worker variable (it saw none): since the last
-    # report, name -> the variables.
+    # Submodules whose import raised ImportError (an optional dependency not installed), since
+    unavailable: int = 0  # the last report: the worker's own import failed too; not named
+    # Since the last report: preloaded although its import looked up worker variables (unset)
     env_reads: dict[str, list[str]] = field(default_factory=dict)
     seconds: float = 0.0
     tainted: str | None = None  # why this process must not fork any more
@@ -245,8 +243,6 @@ class Preloader:
         os.set_blocking(self.pipe_r, False)
         os.set_blocking(self.pipe_w, False)  # a worker drops a report rather than wait
         try:
-            import fcntl
-
             fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, REPORT_PIPE_BYTES)
         except (ImportError, AttributeError, OSError):
             pass
@@ -318,13 +314,19 @@ class Preloader:
         self.work(lambda: time.monotonic() > deadline)
 
     def request(self, msg: dict[str, Any], fds: list[int]) -> list[int]:
-        """The agent's request (only to a learner): ``teach``, answered ``done`` on ``fds[0]``
-        once imported; else the report before a round (``answer``). Returns what to close."""
-        if msg.get("op") != "teach":
+        """An agent's request (to a learner), answered on ``fds[0]``: ``preload`` (``answer``),
+        ``teach`` (``done`` once imported), ``names`` (the reported modules this process holds,
+        sorted; ``SHARED_BYTES`` of them at most). Returns the descriptors to close."""
+        if msg.get("op") == "preload":
             return self.answer(fds)
-        self.teach(msg.get("names"))
+        if msg.get("op") == "teach":
+            self.teach(msg.get("names"))
+        held = sorted(n for n in self.known if n in sys.modules)
+        sizes = itertools.accumulate(len(n) + 4 for n in held)
+        names = [n for n, size in zip(held, sizes) if size <= SHARED_BYTES]
+        reply = b"done" if msg.get("op") == "teach" else json.dumps(names).encode()
         try:
-            os.write(fds[0], b"done")
+            os.write(fds[0], reply)
         except (IndexError, OSError):
             pass
         return fds
@@ -387,9 +389,7 @@ class Preloader:
         top-level packages preloaded and how many submodules (one message: bounded)."""
         packages = [n for n in self.preloaded if "." not in n]
         refused = dict(list(self.new_refused.items())[:MAX_LISTED])
-        sizes = itertools.accumulate(len(n) + 4 for n in self.preloaded)  # for the run's list
-        names = [n for n, size in zip(self.preloaded, sizes) if size <= SHARED_BYTES]
-        out = {"preloaded": packages[:MAX_LISTED], "refused": refused, "names": names,
+        out = {"preloaded": packages[:MAX_LISTED], "refused": refused,
                "submodules": len(self.preloaded) - len(packages),
                "unavailable": self.unavailable,
                "env_reads": dict(list(self.env_reads.items())[:MAX_LISTED]),

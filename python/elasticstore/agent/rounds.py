@@ -18,10 +18,10 @@ from ..rendezvous.api import AgentRendezvous
 from ..rendezvous.records import int_field, parse_record
 from ..rendezvous.state import AgentKeys
 from .forkclient import ForkServer
+from .job_imports import preload_job_imports, reread_job_imports
 from .logs import say
 
-__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "preload_job_imports", "say_moves",
-           "say_round"]
+__all__ = ["ASSIGN_TIMEOUT", "RendezvousCall", "assign", "say_moves", "say_round"]
 
 ASSIGN_TIMEOUT = 300.0  # seconds: waiting for every node's worker count in the round's store
 
@@ -41,16 +41,20 @@ class RendezvousCall:
         result, abandoned = self._result, self._abandoned
 
         def target() -> None:
+            waiting = threading.Event()  # set: the first round came (the list is read no more)
             try:
                 if warm is not None:
-                    preload_job_imports(handler, warm)
+                    taught = preload_job_imports(handler, warm)
                     warm.wait_warm()
+                    threading.Thread(target=reread_job_imports, args=(handler, warm, taught,
+                                     waiting), name="job-imports", daemon=True).start()
                 if abandoned.is_set():
                     raise InterruptedError("the agent stopped waiting for the rendezvous")
                 result["info"] = handler.next_rendezvous()
             except BaseException as exc:
                 result["error"] = exc
             finally:
+                waiting.set()
                 try:
                     done_w.send(b"x")
                 except OSError:
@@ -82,23 +86,6 @@ class RendezvousCall:
             return 1
         finally:
             self._done_r.close()
-
-
-def preload_job_imports(handler: AgentRendezvous, server: ForkServer) -> None:
-    """Before a node's first round: its fork server imports the modules the job's workers
-    import, as the run's list has them (``share_imports`` by a round's rank-0 node;
-    ``preload.Preloader.teach`` checks each), so that its first workers start with them; a node
-    that takes a lost node's place then costs the others no more than one that restarts. Says
-    what it did; never fails the join (nothing listed yet: a new job's nodes, nothing to do)."""
-    if not server.learn:
-        return
-    try:
-        names = handler.shared_imports()
-        if names and not server.teach(names):
-            say("[elasticstore-run] the fork server did not import the job's modules in time: "
-                "this node's first workers import them")
-    except Exception as exc:  # an optimisation: the join goes on without it
-        say(f"[elasticstore-run] reading the job's modules to preload failed: {exc}")
 
 
 def _node_of(value: bytes, node: int) -> tuple[int, int]:

@@ -82,22 +82,28 @@ class AgentSide(HostLoss):
             if failure is not None:
                 self._backend.set(self._keys.failure, self._carried.failure or b"")
 
-    def share_imports(self, names: Sequence[str]) -> None:
+    def share_imports(self, names: Sequence[str]) -> bool:
         """Publishes the modules this node's fork server preloaded (at most
         ``MAX_SHARED_IMPORTS`` names), for a node that joins later to preload them before its
         first round (``agent/preload.py``): one write, outside the decider's prefix, by the
-        current round's rank-0 node only (the others' calls do nothing)."""
+        current round's rank-0 node only (the others' calls do nothing). Whether it wrote."""
         rnd = self._round
         if rnd is None or rnd.rank_of(self._node) != 0:
-            return
+            return False
         with self._guard():
             self._backend.set(self._keys.imports, json.dumps(list(names[:MAX_SHARED_IMPORTS])))
+        return True
 
     def shared_imports(self) -> list[str]:
         """The run's list (``share_imports``): its strings, at most ``MAX_SHARED_IMPORTS`` ([]
-        when there is none or it is not a JSON list; the fork server checks each name)."""
-        with self._guard():
-            value = parse_json(self._backend.get(self._keys.imports))
+        when there is none or it is not a JSON list; the fork server checks each name). On a
+        connection of its own: called while another thread waits in ``next_rendezvous``; an
+        error is raised as it is (a lost store is noticed where it matters, not here)."""
+        backend = self._backend.clone()
+        try:
+            value = parse_json(backend.get(self._keys.imports))
+        finally:
+            backend.close()
         if not isinstance(value, list):
             return []
         return [name for name in value if isinstance(name, str)][:MAX_SHARED_IMPORTS]

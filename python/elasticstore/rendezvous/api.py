@@ -133,15 +133,16 @@ class AgentRendezvous(Protocol):
         """The other nodes' status records (``publish_status``) as they are now: one listing
         and one read per node; [] for a backend that keeps none. Raises like ``is_closed``."""
 
-    def share_imports(self, names: Sequence[str]) -> None:
+    def share_imports(self, names: Sequence[str]) -> bool:
         """Publishes the modules the job's workers import (what this node's fork server
         preloaded), for a node that joins later to preload before its first round: one store
         write where this node is its round's rank 0, else (and for a backend that keeps no such
-        list) nothing."""
+        list) nothing. Whether it wrote."""
 
     def shared_imports(self) -> list[str]:
         """The list ``share_imports`` published ([] when none, or for a backend that keeps
-        none); names, unchecked (the fork server checks each). One store read."""
+        none); names, unchecked (the fork server checks each). One store read, on a connection
+        of its own (another thread may wait in ``next_rendezvous``)."""
 
 
 class PollWatch:
@@ -244,8 +245,8 @@ class BasicRendezvous:
     def peer_statuses(self) -> list[dict[str, object]]:
         return []
 
-    def share_imports(self, names: Sequence[str]) -> None:
-        return None
+    def share_imports(self, names: Sequence[str]) -> bool:
+        return False
 
     def shared_imports(self) -> list[str]:
         return []
