@@ -40,7 +40,9 @@ where they resumed from and how many steps each trained again.
 ``--merge`` keeps the rows of ``<out>.json`` that this run did not measure again (same example,
 scenario, launcher, interval): one configuration can be measured at a time; every row records
 its own ``when``. ``--logs DIR`` keeps every job's agent logs and events there.
-``--render-only`` runs nothing: it writes ``<out>.md`` again from ``<out>.json``. A run that did not
+Each row keeps the failures it injected (``injected``: wall time, what); with ``--logs`` the
+agents of ``elasticstore-run`` also write their events (``--log-dir``), kept as
+``agent-events.jsonl`` beside their logs. ``--render-only`` runs nothing: it writes ``<out>.md`` again from ``<out>.json``. A run that did not
 finish says what happened: its first node's agent still running at the limit ("not done in
 300 s"), or exited non-zero, with every agent's exit ("failed (exit 1 from both agents) at
 84.8 s").
@@ -49,6 +51,7 @@ finish says what happened: its first node's agent still running at the limit ("n
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -97,6 +100,7 @@ class Run:
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     retired: list[subprocess.Popen[bytes]] = field(default_factory=list)
     port: int = 0
+    keep: bool = False  # the agents' logs and events are kept (--logs)
 
     @property
     def two_nodes(self) -> bool:
@@ -136,8 +140,9 @@ class Run:
         nodes = ["--nnodes", nnodes,
                  "--rdzv-endpoint", f"127.0.0.2:{self.port}", "--rdzv-id", "goodput",
                  "--local-addr", addr]
-        if self.launcher == "elasticstore-run":
-            return ["elasticstore-run", *nodes, *common, *self.example_args()], env
+        if self.launcher == "elasticstore-run":  # its events (each round, by node) for --logs
+            logs = ["--log-dir", os.path.join(self.workdir, "agent-logs")] if self.keep else []
+            return ["elasticstore-run", *nodes, *common, *logs, *self.example_args()], env
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         host = "true" if addr == "127.0.0.2" else "false"
         return [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "c10d", *nodes,
@@ -190,6 +195,9 @@ class Run:
         for name in os.listdir(self.workdir):
             if name.endswith((".log", ".jsonl")):
                 shutil.copy(os.path.join(self.workdir, name), where)
+        # the agents' events (--log-dir <d>: <d>/<run id, or run id_suffix>/events.jsonl)
+        for agents in glob.glob(os.path.join(self.workdir, "agent-logs", "*", "events.jsonl")):
+            shutil.copy(agents, os.path.join(where, "agent-events.jsonl"))
 
     def cleanup(self) -> None:
         for proc in [*self.agents.values(), *self.retired]:
@@ -247,7 +255,8 @@ def _inject(run: Run, interval: float, stop: threading.Event, log: list[dict[str
 def run_job(launcher: str, scenario: str, step_time: float, interval: float | None,
             example: str = "ddp", checkpoint_every: int = 20,
             logs: str | None = None) -> dict[str, Any]:
-    run = Run(launcher, scenario, step_time, example=example, checkpoint_every=checkpoint_every)
+    run = Run(launcher, scenario, step_time, example=example, checkpoint_every=checkpoint_every,
+              keep=logs is not None)
     run.port = _free_port("127.0.0.2")
     failures: list[dict[str, Any]] = []
     stop = threading.Event()
@@ -278,7 +287,7 @@ def run_job(launcher: str, scenario: str, step_time: float, interval: float | No
                 pass
         codes = [p.poll() for p in run.agents.values()]  # the first node's first; None: running
         result.update(seconds=elapsed, failures=len(failures), codes=codes,
-                      done=first.poll() == 0, limit=LIMIT)
+                      done=first.poll() == 0, limit=LIMIT, injected=failures)
         summary = os.path.join(run.workdir, "summary.json")
         if os.path.exists(summary):
             with open(summary) as f:
