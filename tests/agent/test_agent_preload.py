@@ -6,9 +6,11 @@ package whose import starts a thread is refused and named; ``--no-preload-import
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import pathlib
 import shutil
 import time
 from importlib.machinery import PathFinder
@@ -219,17 +221,15 @@ def test_a_fork_server_taught_the_jobs_modules_imports_them_before_it_serves(
 
 
 def _stand_in_of(server: int) -> bool:
-    """Whether a copy of the fork server (its stand-in or a probe) is among its children: it
-    is importing in its idle time (``preload_job.importing``)."""
-    def cmdline(pid: object) -> bytes:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
-
-    with open(f"/proc/{server}/task/{server}/children") as f:
-        return any(cmdline(p) == cmdline(server) for p in f.read().split())
+    """Whether a copy of the fork server (its stand-in or a probe: the same command line) is
+    among its children: it is importing in its idle time."""
+    proc = pathlib.Path("/proc")
+    title = (proc / str(server) / "cmdline").read_bytes()
+    for child in (proc / str(server) / "task" / str(server) / "children").read_text().split():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if (proc / child / "cmdline").read_bytes() == title:
+                return True
+    return False
 
 
 @pytest.mark.slow
