@@ -16,13 +16,10 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..rendezvous.api import AgentRendezvous
 from .logs import say
-
-if TYPE_CHECKING:
-    from .forkclient import ForkServer
 
 __all__ = ["REREAD_S", "SHARE_PERIOD_S", "held_names", "preload_job_imports",
            "reread_job_imports", "share_held", "teach"]
@@ -32,6 +29,19 @@ REREAD_S = 5.0  # how often a node waiting for its first round reads the list ag
 TEACH_BYTES = 96 * 1024  # the module names sent in one "teach" (preload.SHARED_BYTES)
 TEACH_WAIT_S = 90.0  # the longest a node waits for them to be imported (the server: 60 s)
 TEACH_RETRY_S = 0.2  # asked again while a stand-in answers for the server
+
+
+class ForkServer(Protocol):
+    """What this module uses of ``forkclient.ForkServer``, which imports this module (its
+    ``settle_preloads`` calls ``share_held``)."""
+
+    learn: bool
+    sharing: Any
+    closed: threading.Event
+
+    def ask(self, request: dict[str, Any], timeout: float) -> bytes | None: ...
+
+    def alive(self) -> bool: ...
 
 
 def held_names(server: ForkServer, timeout: float = 30.0) -> list[str] | None:
