@@ -295,13 +295,12 @@ def settle_preloads(server: ForkServer, events: Any,
     refusals carried over): the fresh one pays ``import torch`` once more before this round, and
     learns the packages again from this round's workers. ``share``
     (``AgentRendezvous.share_imports``): given the modules the server holds whenever it holds
-    more (``ForkServer.share_held``), for nodes that join later."""
+    more (``job_imports.share_held``), for nodes that join later."""
     if not server.learn or not server.alive():
         return server
     report = server.preloads()
-    if share is not None:
-        share_held(server, share, now=report is not None and bool(report.preloaded
-                                                                  or report.submodules))
+    if share is not None:  # now: something new was preloaded for this round
+        share_held(server, share, now=bool(report and (report.preloaded or report.submodules)))
     if report is None or not (report.preloaded or report.submodules or report.refused
                               or report.tainted):
         return server

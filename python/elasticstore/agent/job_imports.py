@@ -124,17 +124,26 @@ def preload_job_imports(handler: AgentRendezvous, server: ForkServer) -> int:
     that takes a lost node's place then costs the others no more than one that restarts. Says
     what it did; never fails the join (nothing listed yet: a new job's nodes, nothing to do).
     Returns how many names it taught."""
-    if not server.learn:
-        return 0
     try:
-        names = handler.shared_imports()
-        if names and not teach(server, names):
-            say("[elasticstore-run] the fork server did not import the job's modules in time: "
-                "this node's first workers import them")
-        return len(names)
+        return _teach_longer(handler, server, 0, quiet=False)
     except Exception as exc:  # an optimisation: the join goes on without it
         say(f"[elasticstore-run] reading the job's modules to preload failed: {exc}")
         return 0
+
+
+def _teach_longer(handler: AgentRendezvous, server: ForkServer, taught: int,
+                  quiet: bool = True, done: threading.Event | None = None) -> int:
+    """Reads the run's list and teaches it to ``server`` when it is longer than ``taught``
+    names (not once ``done`` is set); returns the length taught. Raises what reading raises."""
+    if not server.learn:
+        return taught
+    names = handler.shared_imports()
+    if len(names) <= taught or (done is not None and done.is_set()):
+        return taught
+    if not teach(server, names) and not quiet:
+        say("[elasticstore-run] the fork server did not import the job's modules in time: "
+            "this node's first workers import them")
+    return len(names)
 
 
 def reread_job_imports(handler: AgentRendezvous, server: ForkServer, taught: int,
@@ -149,9 +158,6 @@ def reread_job_imports(handler: AgentRendezvous, server: ForkServer, taught: int
         if done.wait(REREAD_S):
             return
         try:
-            names = handler.shared_imports()
-            if len(names) > taught and not done.is_set():
-                taught = len(names)
-                teach(server, names)
+            taught = _teach_longer(handler, server, taught, done=done)
         except Exception:  # the store lost, the server gone: noticed where they matter
             return

@@ -244,7 +244,7 @@ class Preloader:
         os.set_blocking(self.pipe_w, False)  # a worker drops a report rather than wait
         try:
             fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, REPORT_PIPE_BYTES)
-        except (ImportError, AttributeError, OSError):
+        except (AttributeError, OSError):
             pass
 
     def rebase(self) -> None:

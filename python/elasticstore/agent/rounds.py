@@ -41,20 +41,20 @@ class RendezvousCall:
         result, abandoned = self._result, self._abandoned
 
         def target() -> None:
-            waiting = threading.Event()  # set: the first round came (the list is read no more)
+            joined = threading.Event()  # set: the call returned (the list is read no more)
             try:
                 if warm is not None:
                     taught = preload_job_imports(handler, warm)
                     warm.wait_warm()
                     threading.Thread(target=reread_job_imports, args=(handler, warm, taught,
-                                     waiting), name="job-imports", daemon=True).start()
+                                     joined), name="job-imports", daemon=True).start()
                 if abandoned.is_set():
                     raise InterruptedError("the agent stopped waiting for the rendezvous")
                 result["info"] = handler.next_rendezvous()
             except BaseException as exc:
                 result["error"] = exc
             finally:
-                waiting.set()
+                joined.set()
                 try:
                     done_w.send(b"x")
                 except OSError:
