@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import time
 from importlib.machinery import PathFinder
 from typing import Any
@@ -22,7 +23,7 @@ from paths import ROOT, program
 
 import torch
 
-from elasticstore.agent.forkclient import ForkServer
+from elasticstore.agent.forkclient import ForkServer, read_status
 from elasticstore.agent.job_imports import held_names, teach
 from elasticstore.agent.importreport import third_party_origin
 from elasticstore.run import parse
@@ -381,3 +382,31 @@ def test_a_node_whose_first_round_is_far_has_dynamo_preloaded_for_its_first_work
         assert a.wait(far, 120) == 0, a.output(far)
     with open(os.path.join(workdir, "far.json")) as f:
         assert json.load(f) == {"dynamo_at_start": True}
+
+
+def test_once_it_forked_a_fork_server_imports_only_what_its_workers_report(
+        tmp_path: object) -> None:
+    """The fork server's guess (``torch._dynamo``) is for a node that has forked nothing yet:
+    once a worker ran, what the workers report replaces it. A worker that imports nothing new
+    leaves nothing to import: no stand-in appears in the server's idle time (it would while the
+    server imported), and the next worker starts without ``torch._dynamo``."""
+    workdir = str(tmp_path)
+    script = os.path.join(workdir, "dynamo_probe.py")
+    with open(script, "w") as f:
+        f.write(DYNAMO_PROBE)
+    server = ForkServer(True)
+    try:
+        for name in ("first", "second"):
+            env = dict(os.environ, NODE_NAME=name)
+            pid, status = server.start([script, workdir], env, workdir, "script",
+                                       sys.stdout.fileno(), sys.stderr.fileno())
+            with status:
+                assert read_status(status) == 0
+            deadline = time.monotonic() + 3.0  # the idle wait is 0.5 s, an import 1.5 s or more
+            while name == "first" and time.monotonic() < deadline:
+                assert not _stand_in_of(server.proc.pid), "the server imported after a fork"
+                time.sleep(0.02)
+    finally:
+        server.close()
+    with open(os.path.join(workdir, "second.json")) as f:
+        assert json.load(f) == {"dynamo_at_start": False}

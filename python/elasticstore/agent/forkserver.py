@@ -19,8 +19,7 @@ Unless the agent turns it off, warm workers report the third-party packages they
 (``importreport.py``), which this process preloads when idle (``preload.py``) while a copy of it
 forked before the import began (``standin.py``) serves the agent: a restart never waits for an
 import, and no fork is ever taken from a module imported in part. A worker's exit during such an
-import is reported from the SIGCHLD handler. The worker runs ``warmrun.py``; the protocol:
-``forkclient.py``."""
+import is reported from the SIGCHLD handler. Workers run ``warmrun.py``; see ``forkclient.py``."""
 
 from __future__ import annotations
 
@@ -45,10 +44,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # Imported by the fork server before its first fork, so that no worker pays for them again.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
-# Imported once the server has forked and been idle IDLE_PRELOAD_S, or UNFORKED_PRELOAD_S after
-# its start without a fork (a standby node), while a stand-in forks (standin.py): no round waits;
-# at once when it is taught what a running job imports (a node that joins it: forkclient.teach).
-# torch._dynamo: every torch.optim optimizer imports it (1.4-3 s).
+# A guess (an optimizer imports torch._dynamo: 1.4-3 s), imported behind a stand-in (standin.py)
+# UNFORKED_PRELOAD_S after the start without a fork (a standby: idle CPUs), or first when taught
+# a job's list (forkclient.teach); after a fork, the workers' reports replace it (no learner: idle).
 DEFERRED_PRELOAD = ("torch._dynamo",)
 IDLE_PRELOAD_S = 0.5
 UNFORKED_PRELOAD_S = 3.0
@@ -205,6 +203,8 @@ class _Server:
         # pages, which then stay shared with this process (Python's advice for fork without exec).
         gc.freeze()
         self.forked = self.forked or not job.get("check")  # a health check's: no idle work yet
+        if self.forked and self.learner is not None:
+            self.deferred.clear()  # its workers report what they import: no guess
         pid = os.fork()
         if pid == 0:
             job["fds"] = fds[1:]
