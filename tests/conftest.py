@@ -130,6 +130,8 @@ if _CPU_LOG:
         yield
         line = {
             "test": item.nodeid,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            "start": round(wall0, 2),
             "wall_s": round(time.monotonic() - wall0, 2),
             "cpu_s": round(_cpu_now() - cpu0, 2),
         }
