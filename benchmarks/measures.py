@@ -44,8 +44,8 @@ class Sizes:
 
 FULL = Sizes()
 QUICK = Sizes(
-    lat_iters=200, lat_warmup=20, lat_max_s=1.0, wake_iters=20, pingpong_iters=2000,
-    tput_clients=(1, 8), tput_seconds=0.5, tput_rounds=2, storm_clients=(32,), barrier_sizes=(16,),
+    lat_iters=100, lat_warmup=10, lat_max_s=0.5, wake_iters=10, pingpong_iters=1000,
+    tput_clients=(1, 8), tput_seconds=0.25, tput_rounds=2, storm_clients=(32,), barrier_sizes=(16,),
     barrier_rounds=2, group_rounds=1, idle_conns=16, mem_keys=1000, op_timeout=30.0, threads_per_proc=16,
     max_procs=2, fresh_server_per_point=False,
 )
