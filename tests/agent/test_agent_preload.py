@@ -384,19 +384,28 @@ def test_a_node_whose_first_round_is_far_has_dynamo_preloaded_for_its_first_work
         assert json.load(f) == {"dynamo_at_start": True}
 
 
-def test_once_it_forked_a_fork_server_imports_only_what_its_workers_report(
+OPTIMIZER = """import torch
+torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # imports torch._dynamo
+"""
+
+
+def test_once_it_forked_a_fork_server_imports_its_guess_only_when_a_worker_did(
         tmp_path: object) -> None:
     """The fork server's guess (``torch._dynamo``) is for a node that has forked nothing yet:
-    once a worker ran, what the workers report replaces it. A worker that imports nothing new
-    leaves nothing to import: no stand-in appears in the server's idle time (it would while the
-    server imported), and the next worker starts without ``torch._dynamo``."""
+    once a worker ran, it is imported only when a worker imported it (any optimizer does), as
+    its own import (no probe). A worker that imports nothing new leaves nothing to import: no
+    stand-in appears in the server's idle time (it would while the server imported), and the
+    next worker starts without ``torch._dynamo``; after a worker that made an optimizer, the
+    next starts with it."""
     workdir = str(tmp_path)
-    script = os.path.join(workdir, "dynamo_probe.py")
-    with open(script, "w") as f:
-        f.write(DYNAMO_PROBE)
+    probe, optimizer = os.path.join(workdir, "dynamo_probe.py"), os.path.join(workdir, "opt.py")
+    for path, text in ((probe, DYNAMO_PROBE), (optimizer, OPTIMIZER)):
+        with open(path, "w") as f:
+            f.write(text)
     server = ForkServer(True)
     try:
-        for name in ("first", "second"):
+        for name, script in (("first", probe), ("second", probe), ("optimizer", optimizer),
+                             ("after", probe)):
             env = dict(os.environ, NODE_NAME=name)
             pid, status = server.start([script, workdir], env, workdir, "script",
                                        sys.stdout.fileno(), sys.stderr.fileno())
@@ -406,7 +415,12 @@ def test_once_it_forked_a_fork_server_imports_only_what_its_workers_report(
             while name == "first" and time.monotonic() < deadline:
                 assert not _stand_in_of(server.proc.pid), "the server imported after a fork"
                 time.sleep(0.02)
+            deadline = time.monotonic() + 120  # asked each 2 s: a request ends an idle time
+            while name == "optimizer" and "torch._dynamo" not in held_names(server):
+                assert time.monotonic() < deadline, "the reported guess was never imported"
+                time.sleep(2.0)
     finally:
         server.close()
-    with open(os.path.join(workdir, "second.json")) as f:
-        assert json.load(f) == {"dynamo_at_start": False}
+    for name, loaded in (("second", False), ("after", True)):
+        with open(os.path.join(workdir, f"{name}.json")) as f:
+            assert json.load(f) == {"dynamo_at_start": loaded}, name

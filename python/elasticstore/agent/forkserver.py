@@ -44,9 +44,9 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # Imported by the fork server before its first fork, so that no worker pays for them again.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors")
-# A guess (an optimizer imports torch._dynamo: 1.4-3 s), imported behind a stand-in (standin.py)
-# UNFORKED_PRELOAD_S after the start without a fork (a standby: idle CPUs), or first when taught
-# a job's list (forkclient.teach); after a fork, the workers' reports replace it (no learner: idle).
+# A guess (an optimizer imports torch._dynamo: 1.4-3 s) imported behind a stand-in (standin.py)
+# UNFORKED_PRELOAD_S after the start without a fork (a standby: idle CPUs), or first when taught a
+# job's list; after a fork, once a worker imported it (no learner: when idle). Trusted: no probe.
 DEFERRED_PRELOAD = ("torch._dynamo",)
 IDLE_PRELOAD_S = 0.5
 UNFORKED_PRELOAD_S = 3.0
@@ -97,6 +97,8 @@ class _Server:
             for key, _ in ready:
                 if learner is not None and key.fileobj == learner.pipe_r:
                     learner.drain()
+                    if self.forked:  # a worker imported the guess: trusted, imported first
+                        self.deferred = [n for n in DEFERRED_PRELOAD if n in learner.known]
                     continue
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
@@ -276,11 +278,8 @@ def _children() -> list[int]:
     pids: list[int] = []
     task_dir = f"/proc/{os.getpid()}/task"
     for tid in os.listdir(task_dir):
-        try:
-            with open(f"{task_dir}/{tid}/children") as f:
-                pids.extend(int(p) for p in f.read().split())
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open(f"{task_dir}/{tid}/children") as f:
+            pids.extend(int(p) for p in f.read().split())
     return pids
 
 
