@@ -4,7 +4,7 @@ env://; under elasticstore-run or started by the test with RANK/WORLD_SIZE/LOCAL
 Every run first restores (``Snapshots.restore(template=...)``) and writes what it got to
 ``restored-<attempt>-<world>.json`` (with every rank's source) and the full state it holds then (every DTensor's
 ``full_tensor()``) to ``restored-<attempt>-<world>.pt``; then trains to ``--steps``, snapshotting
-every step and writing the full state after each step's snapshot to ``full-<step>.pt`` (rank 0).
+every step and writing the full state before each step's snapshot to ``full-<step>.pt`` (rank 0).
 ``--kill-rank R --kill-at K``: rank R SIGKILLs itself in the first attempt after step K's
 snapshot. ``--ckpt DIR``: disk checkpoints (DCP) every ``--ckpt-every`` steps. ``--step-time S``:
 each step sleeps S seconds more (a test's time to act between steps). ``--ballast-mb M``: the
@@ -133,10 +133,14 @@ def main() -> None:
         if rows:
             ballast.copy_(ballast_value(ballast, step, rank * ballast.shape[0]))
         time.sleep(args.step_time)
-        snaps.snapshot(state, step)
+        # the reference before the snapshot: a step that commits always has its full-<step>.pt
+        # (rank 0 takes part in every commit), even when its node dies right after
         full = full_state(state())
         if rank == 0:
-            torch.save(full, os.path.join(args.dir, f"full-{step}.pt"))
+            part = os.path.join(args.dir, f".tmp-full-{step}.pt")  # whole or absent
+            torch.save(full, part)
+            os.replace(part, os.path.join(args.dir, f"full-{step}.pt"))
+        snaps.snapshot(state, step)
         if attempt == 0 and step == args.kill_at:
             dist.barrier()  # full-<step>.pt is written before the kill
             if rank == args.kill_rank:
