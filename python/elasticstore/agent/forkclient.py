@@ -110,7 +110,7 @@ class ForkServer:
         """Starts a worker; returns its pid (== its process group) and its status socket.
         ``stdin``: the worker's standard input (None: /dev/null). ``check``: a health check's
         process, contained as a worker; not a first fork (the server's guess, ``torch._dynamo``,
-        is still imported 3 s after its start, and its workers' reports replace it later)."""
+        is still imported 3 s after its start without one)."""
         self._forked = True
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         null = os.open(os.devnull, os.O_RDONLY) if stdin is None else -1

@@ -98,7 +98,8 @@ class _Server:
                 if learner is not None and key.fileobj == learner.pipe_r:
                     learner.drain()
                     if self.forked:  # a worker imported the guess: trusted, imported first
-                        self.deferred = [n for n in DEFERRED_PRELOAD if n in learner.known]
+                        self.deferred = [n for n in DEFERRED_PRELOAD
+                                         if n in learner.known and n not in sys.modules]
                     continue
                 if key.fileobj is self.wake_r:
                     sigs = self.wake_r.recv(512)
