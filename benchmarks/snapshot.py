@@ -6,8 +6,9 @@ written to ``--out`` (``.json`` and ``.md``, with the machine and its load avera
    totals) and for a 100 MB state (25 float32 tensors of 4 MB and plain objects); and what a
    restore from this node's memory costs (``restore()`` without a process group).
 2. Steps with and without a snapshot, interleaved in one run (``snapshot_steps.py``): the
-   example's step (2 processes, gloo) with no snapshot, with ``snapshot()`` every step, and with
-   what the example does (the snapshot plus the all_reduce of the totals it holds); and a 100 MB
+   example's step (2 processes, gloo) with no snapshot, with its state built and dropped, with
+   ``snapshot()`` every step, with what the example does (the snapshot plus the all_reduce of the
+   totals it holds), and with ``dcp.async_save`` of the same state every step; and a 100 MB
    state with 100 ms steps, with no snapshot, with ``snapshot()``, and with
    ``torch.distributed.checkpoint.async_save``, whose call blocks for its staging (a copy).
 3. With ``--runs N``: ``examples/train_ddp.py`` itself under ``elasticstore-run --standalone
@@ -105,19 +106,26 @@ def steps_tables(ex: dict[str, Any], bigs: list[dict[str, Any]]) -> list[str]:
     """The markdown of part 2."""
     off = ex["median_s"]["off"]
     out = [f"The example's step, 2 processes, gloo, one thread each ({ex['steps']['off']} steps "
-           f"per mode in blocks of {snapshot_steps.BLOCK}, modes in turn, one run; state "
+           f"per mode counted, in blocks of {snapshot_steps.BLOCK}, modes in turn, the first step "
+           f"of each block left out (it pays for the mode before it), one run; state "
            f"{ex['bytes']:,} bytes):", "",
            "| mode | step (median) | vs no snapshot (medians) | vs no snapshot (median of "
            "cycles) |", "|---|---:|---:|---:|"]
-    names = {"off": "no snapshot", "snapshot": "`snapshot()` every step",
-             "example": "the example's: `snapshot()` + the totals' `all_reduce`"}
+    names = {"off": "no snapshot", "state dicts": "the state built (its state dicts), no snapshot",
+             "snapshot": "`snapshot()` every step",
+             "example": "the example's: `snapshot()` + the totals' `all_reduce`",
+             "dcp.async_save": "`dcp.async_save` of the state every step (its write outside "
+                               "the step)"}
     for m, name in names.items():
         med = ex["median_s"][m]
         out.append(f"| {name} | {med * 1e3:.3f} ms | {_pct(med / off - 1)} | "
                    f"{_pct(ex['paired_ratio'][m] - 1)} |")
     out += ["", f"`snapshot()` blocked the step (building the state dict included) "
             f"{ex['copy_median_s'] * 1e3:.3f} ms median, p90 {ex['copy_p90_s'] * 1e3:.3f} ms: "
-            f"{100 * ex['copy_median_s'] / off:.1f}% of the step without one.", ""]
+            f"{100 * ex['copy_median_s'] / off:.1f}% of the step without one; "
+            f"`dcp.async_save` (the state built, then staged) {ex['staged_median_s'] * 1e3:.3f} ms "
+            f"median, p90 {ex['staged_p90_s'] * 1e3:.3f} ms: "
+            f"{ex['staged_median_s'] / ex['copy_median_s']:.1f} times as long.", ""]
     for big in bigs:
         what = ("a sleep for the rest of the step (an accelerator's time: the CPU is free)"
                 if big["work"] == "sleep" else "a fixed number of matrix products on the training "

@@ -4,9 +4,13 @@ neighbouring steps, so every mode runs in short blocks, in turn, in the same pro
 
 - ``example``: ``examples/train_ddp.py``'s step (its model, DDP with its per-parameter hook, gloo,
   its DataLoader; 2 processes on loopback, one thread each), in blocks of ``BLOCK`` steps per
-  mode: ``off`` (no snapshot), ``snapshot`` (``Snapshots.snapshot`` of the example's state every
-  step) and ``example`` (what the example does: the epoch totals' ``all_reduce`` the snapshot holds,
-  started before the step, plus the snapshot).
+  mode: ``off`` (no snapshot), ``state dicts`` (the example's state built every step and dropped:
+  what any checkpointing of each step pays first), ``snapshot`` (``Snapshots.snapshot`` of the
+  example's state every step), ``example`` (what the example does: the epoch totals'
+  ``all_reduce`` the snapshot holds, started before the step, plus the snapshot) and
+  ``dcp.async_save`` (the same state, torch's defaults, no process group, each rank to a
+  directory of its own under the snapshot file system: the call, which returns once the state is
+  staged, in the step; its write waited for, and the ranks met in a barrier, outside it).
 - ``big``: a 100 MB state (25 float32 parameters of 4 MB and plain objects) in one process, each
   step an optimizer step (``torch.optim.SGD``, gradients set once) and then a sleep up to
   ``step_s`` (the accelerator's time; the CPU is free), or (``work="compute"``) as many matrix
@@ -39,7 +43,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
 BLOCK = 8
-EXAMPLE_MODES = ("off", "snapshot", "example")
+EXAMPLE_MODES = ("off", "state dicts", "snapshot", "example", "dcp.async_save")
+COPY_MODES = ("snapshot", "example")  # the modes whose snapshot() times are kept
 BIG_MODES = ("off", "snapshot", "snapshot, overlap=False", "dcp.async_save")
 
 
@@ -54,6 +59,7 @@ def _example_module() -> Any:
 def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
     """One rank of the example's loop; rank 0 writes its per-step times to ``out``."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
@@ -75,6 +81,13 @@ def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
     epoch_stats: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {m: [] for m in EXAMPLE_MODES}
     copies: list[float] = []
+    staged: list[float] = []  # dcp.async_save's calls
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
+                "last_loss": last_loss}
+
     step, epoch = 0, 0
     prev = time.perf_counter()  # a step: from the previous one's end (its batch loaded in it)
     while step < steps:
@@ -97,23 +110,34 @@ def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
                 for i in range(3):
                     row[i] += float(pending[i])
                 pending.zero_()
-            if mode != "off":
-                last_loss = loss.detach().reshape(1)
-                snaps.snapshot(lambda: {  # built inside the call: its time counts
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "sampler": sampler.state_dict(), "epoch_stats": epoch_stats,
-                    "last_loss": last_loss}, step)
+            last_loss = loss.detach().reshape(1)
+            future: Any = None
+            if mode == "state dicts":
+                state()
+            elif mode in COPY_MODES:
+                snaps.snapshot(state, step)  # the state built inside the call: its time counts
                 copies.append(snaps.last_copy_s)
+            elif mode == "dcp.async_save":
+                t0 = time.perf_counter()
+                future = dcp.async_save(state(), checkpoint_id=os.path.join(
+                    snapdir, f"dcp-{rank}-{step}"), no_dist=True)
+                staged.append(time.perf_counter() - t0)
             now = time.perf_counter()
             times[mode].append(now - prev)
             prev = now
+            if future is not None:  # its write, then both ranks again, outside the step
+                getattr(future, "upload_completion", future).result()
+                shutil.rmtree(os.path.join(snapdir, f"dcp-{rank}-{step}"), ignore_errors=True)
+                dist.barrier()
+                prev = time.perf_counter()
             if step >= steps:
                 break
         epoch += 1
     snaps.close()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "copies": copies, "bytes": snaps.last_bytes}, f)
+            json.dump({"times": times, "copies": copies, "staged": staged,
+                       "bytes": snaps.last_bytes}, f)
     del ddp
     dist.destroy_process_group()
 
@@ -128,7 +152,11 @@ def run_example(steps: int, shm: str) -> dict[str, Any]:
     """The example's step in ``EXAMPLE_MODES``, 2 processes; medians in seconds."""
     r = run_two_ranks(lambda rank, work, out: [os.path.abspath(__file__), "example", str(rank),
                                                str(steps), work, out], "snapshot-steps-", shm, 600)
-    return summarize(r["times"], r["copies"], r["bytes"], warmup=2 * BLOCK * len(EXAMPLE_MODES))
+    out = summarize(r["times"], r["copies"], r["bytes"], warmup=2 * BLOCK * len(EXAMPLE_MODES))
+    staged = sorted(r["staged"][2 * BLOCK:])
+    out["staged_median_s"] = statistics.median(staged)
+    out["staged_p90_s"] = staged[int(0.9 * (len(staged) - 1))]
+    return out
 
 
 def run_two_ranks(args: Callable[[int, str, str], list[str]], prefix: str, shm: str,
@@ -161,20 +189,22 @@ def run_two_ranks(args: Callable[[int, str, str], list[str]], prefix: str, shm: 
 
 def summarize(times: dict[str, list[float]], copies: list[float], size: int,
               warmup: int) -> dict[str, Any]:
-    """Per mode after the first ``warmup`` steps (the buffers are made then): the median step,
-    and the median over the cycles (one block of every mode) of the block's median over the
-    ``off`` block's of the same cycle (the load drifts less within a cycle than over the run)."""
-    skip = warmup // len(times)
-    per = {m: t[skip:] for m, t in times.items()}
+    """Per mode after the first ``warmup`` steps (the buffers are made then), without the first
+    step of each block (it pays for the mode before it, e.g. caches left cold by a DCP write): the
+    median step, and the median over the cycles (one block of every mode) of the block's median
+    over the ``off`` block's of the same cycle (the load drifts less within a cycle than over the
+    run)."""
+    skip, kept = warmup // len(times), BLOCK - 1
+    per = {m: [x for i, x in enumerate(t[skip:]) if i % BLOCK] for m, t in times.items()}
     med = {m: statistics.median(t) for m, t in per.items()}
-    cycles = min(len(t) for t in per.values()) // BLOCK
+    cycles = min(len(t) for t in per.values()) // kept
 
     def block(m: str, c: int) -> float:
-        return statistics.median(per[m][c * BLOCK:(c + 1) * BLOCK])
+        return statistics.median(per[m][c * kept:(c + 1) * kept])
 
     ratio = {m: statistics.median(block(m, c) / block("off", c) for c in range(cycles))
              for m in per}
-    copies = sorted(copies[skip * (len(times) - 1):])
+    copies = sorted(copies[skip * len(COPY_MODES):])
     return {"median_s": med, "paired_ratio": ratio, "steps": {m: len(t) for m, t in per.items()},
             "cycles": cycles, "copy_median_s": statistics.median(copies),
             "copy_p90_s": copies[int(0.9 * (len(copies) - 1))], "bytes": size}
