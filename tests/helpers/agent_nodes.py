@@ -5,8 +5,10 @@ own session (so a test can kill an agent alone), cleaned up by pid; helpers to w
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,7 +23,39 @@ from paths import program
 TRAIN = program("agent_train.py")
 
 
+PORT_BLOCK = 2000  # ports per xdist worker, below the kernel's ephemeral range
+PORT_BASE = 20000
+_next_port = itertools.count(random.randrange(PORT_BLOCK))  # two sessions at once: apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.2") -> int:
+    """A port free on ``host`` now, for a server the test starts next. A port the kernel picks
+    (a bind to port 0) comes from the ephemeral range, where any outgoing connection on the
+    machine may take it as its own port before that server binds (EADDRINUSE: a test of another
+    xdist worker connecting at that moment): so it comes from a block of ports below that range
+    that belongs to this xdist worker, in turn from a random start, a port still held (a
+    listener, a connection in TIME_WAIT) skipped; the kernel's pick only where that range leaves
+    no room."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = PORT_BASE + index * PORT_BLOCK
+    if base + PORT_BLOCK <= _ephemeral_low():
+        for _ in range(PORT_BLOCK):
+            port = base + next(_next_port) % PORT_BLOCK
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,16 +71,11 @@ def etcd_binary(name: str = "etcd") -> str:
 
 
 def free_ports(count: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((HOST, 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    """``count`` distinct ports free on ``HOST`` (``agent_nodes.free_port``: outside the range
+    that outgoing connections take their ports from)."""
+    from agent_nodes import free_port
+
+    return [free_port(HOST) for _ in range(count)]
 
 
 @dataclass

@@ -15,7 +15,6 @@ process and namespace is ended in ``finally``/``with`` blocks.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from typing import Any
 
 import netfaults
 import pytest
+from agent_nodes import free_port
 from rdzv_nodes import READY_WITHIN, Agent, Agents
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeoutError
 
@@ -40,11 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 RUN = "fo"
 KEYS = Keys(RUN)
 
-
-def free_port(host: str = "127.0.0.2") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def until(cond: Callable[[], bool], timeout: float, what: str) -> float:

@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from agent_nodes import free_port
 from paths import program
 
 pytestmark = pytest.mark.slow
 
 TRAIN = program("rdzv_train.py")
 
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def torchrun(addr: str, endpoint: str, nnodes: str, outdir: Path, steps: int, step_s: float,
