@@ -112,6 +112,7 @@ def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
                 pending.zero_()
             last_loss = loss.detach().reshape(1)
             future: Any = None
+            ckpt = os.path.join(snapdir, f"dcp-{rank}-{step}")  # dcp.async_save's directory
             if mode == "state dicts":
                 state()
             elif mode in COPY_MODES:
@@ -119,15 +120,14 @@ def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
                 copies.append(snaps.last_copy_s)
             elif mode == "dcp.async_save":
                 t0 = time.perf_counter()
-                future = dcp.async_save(state(), checkpoint_id=os.path.join(
-                    snapdir, f"dcp-{rank}-{step}"), no_dist=True)
+                future = dcp.async_save(state(), checkpoint_id=ckpt, no_dist=True)
                 staged.append(time.perf_counter() - t0)
             now = time.perf_counter()
             times[mode].append(now - prev)
             prev = now
             if future is not None:  # its write, then both ranks again, outside the step
                 getattr(future, "upload_completion", future).result()
-                shutil.rmtree(os.path.join(snapdir, f"dcp-{rank}-{step}"), ignore_errors=True)
+                shutil.rmtree(ckpt, ignore_errors=True)
                 dist.barrier()
                 prev = time.perf_counter()
             if step >= steps:

@@ -4,6 +4,7 @@ own session (so a test can kill an agent alone), cleaned up by pid; helpers to w
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import json
@@ -28,6 +29,7 @@ PORT_BASE = 20000
 _next_port = itertools.count(random.randrange(PORT_BLOCK))  # two sessions at once: apart
 
 
+@functools.cache  # read once per process
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -41,7 +41,6 @@ RUN = "fo"
 KEYS = Keys(RUN)
 
 
-
 def until(cond: Callable[[], bool], timeout: float, what: str) -> float:
     """Polls ``cond`` every 10 ms (as an agent polls ``num_nodes_waiting``); the time it took."""
     start = time.monotonic()
