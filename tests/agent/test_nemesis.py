@@ -28,7 +28,7 @@ ENDED_JOB_COST = 60.0  # s added to the budget per job ended by the quorum rule
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUDGET + int(ENDED_JOB_COST) * COUNT + 300)]
 
 START = 120.0  # s: a job's first round trains
-END = JOIN_TIMEOUT + 60.0  # s: every agent left has exited after the release
+END = JOIN_TIMEOUT + 60.0  # s: every node in the group; then every agent exited after the release
 
 
 def _run_job_series(workdir: str, index: int, nodes: int, seed: str, count: int,
@@ -75,7 +75,11 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
                     break
                 report.append(f"{job.run_id} episode {done}: {what} -> trained again "
                               f"{trained.first - healed:+.1f}s, world {trained.world}")
-            codes = job.finish(END)
+            codes, outside = job.finish(END)
+            if outside and not ended_early:
+                said = "; ".join(f"{k} said: {job.last_lines(k)}" for k in outside)
+                failures.append(f"(b) job {job.run_id}: not training with the others within "
+                                f"{END:g}s of the last episode: {outside} ({said})")
             if not ended_early:
                 bad = {k: v for k, v in codes.items() if v != 0}
                 if bad:

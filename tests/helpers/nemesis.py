@@ -178,15 +178,24 @@ class Job:
                 _signal(stopped.pop(f.node, []), signal.SIGCONT)
         return time.time()
 
-    def finish(self, timeout: float) -> dict[str, int | None]:
-        """Releases the workers once every agent still running was in a round (at most
-        ``timeout``: one restarted late must not find the job over and start it afresh);
-        the exit code of every agent still running (None: hung)."""
+    def outside_the_group(self) -> list[str]:
+        """The nodes still running that do not train in the newest group (the one whose last
+        step is the latest), with the incarnation the test started last."""
+        found = groups(self.workdir)
+        newest = max(found, key=lambda g: g.last).members if found else frozenset()
+        return [f"node{n}" for n, p in self.procs.items()
+                if p.poll() is None and (self.addr(n), self.incarnations[n] - 1) not in newest]
+
+    def finish(self, timeout: float) -> tuple[dict[str, int | None], list[str]]:
+        """Releases the workers once every agent still running trains in one group (at most
+        ``timeout``): a node released while it was between rounds (its store given up for
+        another host's, a restart) would find the job over and its store host gone, and could
+        only time out. Returns the exit code of every agent (None: hung) and the nodes that
+        were still outside the group at the release (a liveness miss of their own)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(
-                p.poll() is None and "[elasticstore-run] round " not in self.agents.output(p)
-                for p in self.procs.values()):
+        while time.monotonic() < deadline and self.outside_the_group():
             time.sleep(0.2)
+        outside = self.outside_the_group()
         self.agents.release()
         codes: dict[str, int | None] = {}
         deadline = time.monotonic() + timeout
@@ -198,9 +207,9 @@ class Job:
             if code == 1 and FINISHED_WITHOUT_IT in self.agents.output(proc):
                 code = 0  # stopped (or restarted) while the others finished: told so, clearly
             codes[f"node{node}"] = code
-        return codes
+        return codes, outside
 
-    def last_lines(self, node: str, count: int = 4) -> str:
+    def last_lines(self, node: str, count: int = 8) -> str:
         """The last lines ``node`` ("node2", as ``finish`` names it) wrote: why it exited so,
         in a report that shows only the failures' messages."""
         proc = self.procs.get(int(node.removeprefix("node")))
