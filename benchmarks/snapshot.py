@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 import snapshot_steps
 from elasticstore.train import ElasticDistributedSampler, SnapshotSettings, Snapshots
@@ -44,9 +43,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
 
 def example_state() -> dict[str, Any]:
     """The state train_ddp.py snapshots, at its default sizes, after one step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = snapshot_steps.example_model()
     model(torch.randn(32, 16)).sum().backward()
     opt.step()
     sampler = ElasticDistributedSampler(list(range(4096)), num_replicas=2, rank=0, seed=0)

@@ -56,6 +56,12 @@ def _example_module() -> Any:
     return mod
 
 
+def example_model(ex: Any = None) -> tuple[Any, Any]:
+    """The example's model and optimizer at its default sizes, built by the example itself."""
+    ex = ex or _example_module()
+    return ex.build_model(ex.parse_args([]))
+
+
 def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
     """One rank of the example's loop; rank 0 writes its per-step times to ``out``."""
     import torch.distributed as dist
@@ -69,9 +75,7 @@ def example_worker(rank: int, steps: int, snapdir: str, out: str) -> None:
     ex = _example_module()
     dist.init_process_group("gloo", init_method="env://")
     dataset = ex.SyntheticRegression(4096, 16, 0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = example_model(ex)
     sampler = ElasticDistributedSampler(dataset, seed=0)
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(None, ex.allreduce_per_parameter)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from elasticstore.train import SnapshotSettings, Snapshots
+from snapshot_steps import example_model
 
 BLOCK = 8
 
@@ -36,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm", default="/dev/shm")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = example_model()
     x, y = torch.randn(32, 16), torch.randn(32, 1)
     work = tempfile.mkdtemp(dir=a.shm, prefix="step-after-work-")
     snaps = Snapshots(every=1, settings=SnapshotSettings(work, 0))

@@ -134,6 +134,13 @@ def record_event(path: str | None, event: str, **fields: Any) -> None:
             os.close(fd)
 
 
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer, the same initial weights on every rank (seeded)."""
+    torch.manual_seed(args.seed)
+    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
 def weights_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in model.state_dict().items():
@@ -151,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     saver = local_rank == 0 if args.node_local else rank == 0
 
     dataset = SyntheticRegression(args.dataset_size, args.dim, args.seed)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model, optimizer = build_model(args)
     sampler = ElasticDistributedSampler(dataset, seed=args.seed)
     step = 0
     last_loss = torch.zeros(1)  # this rank's loss of its latest step
