@@ -26,7 +26,8 @@ import netfaults
 import pytest
 from agent_nodes import free_port
 from rdzv_nodes import READY_WITHIN, Agent, Agents
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousInfo,
+                                                 RendezvousTimeoutError)
 
 import elasticstore
 from elasticstore.rendezvous.failover import FAILOVER_WAIT, HostRecord, find_standing
@@ -483,3 +484,23 @@ def test_a_node_back_from_a_stop_joins_the_newer_round_not_a_store_of_its_own() 
         assert find_standing([(g.addrs[1], g.port)], KEYS, None) is None
         with g.store(0) as st:
             assert round_record(st).round == 3
+
+
+def test_a_node_whose_store_gives_way_to_a_host_gone_since_says_why_it_cannot_go_on() -> None:
+    """A node hosting the store learns that another node serves a newer store of the run (as a
+    node back from a stop does: the others took it for lost and went on) and gives its own up;
+    that host has exited since (the job finished without this node). The next join fails
+    within ``FAILOVER_WAIT`` with a connection error that names the newer host and says why
+    this node cannot go on (its store is given up), not a bare connect failure."""
+    with group(1, 3) as g:
+        (a,) = g.handlers
+        g.round(0)
+        gone = f"127.0.0.3:{free_port('127.0.0.3')}"  # nothing listens there
+        a._yield_to(HostRecord(2, "127.0.0.3-1-1", gone), a._backend)
+        started = time.monotonic()
+        result = g.start(0).wait(FAILOVER_WAIT + 20)[0]
+        took = time.monotonic() - started
+        assert isinstance(result, RendezvousConnectionError), repr(result)
+        assert f"{gone} serves a newer store of the run (epoch 2)" in str(result), str(result)
+        assert "the job went on there without this node" in str(result), str(result)
+        assert took < FAILOVER_WAIT + 10, f"{took:.1f}s"

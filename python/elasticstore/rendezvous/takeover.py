@@ -156,8 +156,17 @@ def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
     that store as a member."""
     previous = h._carried.host
     _detach(h)
-    h._attach(connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT,
-                                     reconnect=FAILOVER_RECONNECT))
+    try:
+        backend = connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT,
+                                         reconnect=FAILOVER_RECONNECT)
+    except (StoreNetworkError, StoreTimeoutError) as exc:
+        # Its store is given up (a newer one outranked it): this node cannot carry the run.
+        raise RendezvousConnectionError(
+            f"rendezvous {h._settings.run_id!r}: {record.endpoint} serves a newer store of the "
+            f"run (epoch {record.epoch}) than this node's, and did not answer within "
+            f"{FAILOVER_WAIT:g}s: the job went on there without this node, and has finished "
+            f"since or lost that host ({exc})") from exc
+    h._attach(backend)
     if previous is not None:
         h._carried.lost.add(previous.node)
     h._carried.host = record
