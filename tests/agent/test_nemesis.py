@@ -67,8 +67,10 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
                     return
                 if trained is None:
                     if majority:
+                        said = "; ".join(f"node{n} said: {job.last_lines(f'node{n}', 4)}"
+                                         for n in sorted(job.procs))
                         failures.append(f"(b) job {job.run_id} episode {done}: no training within "
-                                        f"{RECOVER:g}s of the heal ({what})")
+                                        f"{RECOVER:g}s of the heal ({what}; {said})")
                     ended_early = True
                     ended.append(job.run_id)
                     report.append(f"{job.run_id} episode {done}: {what} -> job ended")
