@@ -85,7 +85,9 @@ def _series(workdir: str, index: int, nodes: int, seed: str, count: int,
             if not ended_early:
                 bad = {k: v for k, v in codes.items() if v != 0}
                 if bad:
-                    said = "; ".join(f"{k} said: {job.last_lines(k)}" for k in bad)
+                    said = "; ".join(f"{k} said: {job.last_lines(k)}"
+                                     + (f" (its threads: {job.stacks(k)})" if v is None else "")
+                                     for k, v in bad.items())
                     failures.append(f"(b) job {job.run_id}: agents did not finish with 0: {bad} "
                                     f"({said})")
             failures.extend(f"job {job.run_id}: {v}" for v in job.violations())

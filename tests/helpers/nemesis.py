@@ -40,6 +40,7 @@ from step_log import STEPS_TRAIN, Group, groups, overlaps
 RECOVER = 45.0  # s: (b) training again after the last fault of a one-node episode healed
 JOIN_TIMEOUT = 25  # s: rdzv-conf join_timeout of the jobs (a node that cannot join gives up)
 STORE_TIMEOUT = 5  # s: rdzv-conf store_timeout (the host probe's bound, hostprobe.py)
+_THREAD_START = ("run", "_bootstrap", "_bootstrap_inner")  # threading.py's frames under any thread
 FINISHED_WITHOUT_IT = "is closed (finished: a job with this run id already succeeded)"
 
 
@@ -112,7 +113,7 @@ class Job:
         self.procs[node] = self.agents.start(
             self.flags(node), ["--dir", self.workdir], name=f"node{node}-{n}", script=STEPS_TRAIN,
             env={"ELASTICSTORE_TEST_NODE": self.addr(node), "STEPS_TERM_DELAY": "",
-                 "STEPS_INCARNATION": str(n)})
+                 "STEPS_INCARNATION": str(n), "PYTHONFAULTHANDLER": "1"})
 
     def start_all(self) -> None:
         for node in range(self.nodes):
@@ -204,10 +205,38 @@ class Job:
                 code: int | None = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 code = None
+                self._dump_stacks(proc)
             if code == 1 and FINISHED_WITHOUT_IT in self.agents.output(proc):
                 code = 0  # stopped (or restarted) while the others finished: told so, clearly
             codes[f"node{node}"] = code
         return codes, outside
+
+    @staticmethod
+    def _dump_stacks(proc: subprocess.Popen[bytes]) -> None:
+        """An agent that did not exit in time: SIGABRT, which its fault handler
+        (``PYTHONFAULTHANDLER``) answers with every thread's stack on its console, where
+        ``last_lines`` finds it (where it waited, for a report that cannot be replayed)."""
+        _signal([proc.pid], signal.SIGABRT)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stacks(self, node: str) -> str:
+        """The threads' stacks an agent wrote when aborted (``_dump_stacks``), short: each
+        thread's four innermost frames (file:line function), threads apart by ``||``."""
+        proc = self.procs.get(int(node.removeprefix("node")))
+        out = self.agents.output(proc) if proc is not None else ""
+        at = out.rfind("Fatal Python error")
+        threads: list[list[str]] = []
+        for ln in out[at:].splitlines() if at >= 0 else []:
+            if ln.startswith(("Thread", "Current thread")):
+                threads.append([])
+            elif threads and (m := re.search(r'File "(.+)", line (\d+) in (\S+)', ln)):
+                name = os.path.basename(m.group(1))
+                if not (name == "threading.py" and m.group(3) in _THREAD_START):
+                    threads[-1].append(f"{name}:{m.group(2)} {m.group(3)}")
+        return " || ".join(" < ".join(t[:4]) for t in threads)[:4000]
 
     def last_lines(self, node: str, count: int = 8) -> str:
         """The last lines ``node`` ("node2", as ``finish`` names it) wrote: why it exited so,
