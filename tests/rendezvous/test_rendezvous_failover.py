@@ -31,8 +31,10 @@ from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, Ren
 
 import elasticstore
 from elasticstore.rendezvous.failover import FAILOVER_WAIT, HostRecord, find_standing
-from elasticstore.rendezvous import takeover
+from elasticstore.rendezvous import native, takeover
+from elasticstore.rendezvous.follower import start_follower
 from elasticstore.rendezvous.handler import ElasticRendezvousHandler
+from elasticstore.rendezvous.hostprobe import YIELD_PERIOD
 from elasticstore.rendezvous.registry import backend as backend_row
 from elasticstore.rendezvous.state import Keys, RoundState
 
@@ -502,5 +504,69 @@ def test_a_node_whose_store_gives_way_to_a_host_gone_since_says_why_it_cannot_go
         took = time.monotonic() - started
         assert isinstance(result, RendezvousConnectionError), repr(result)
         assert f"{gone} serves a newer store of the run (epoch 2)" in str(result), str(result)
-        assert "the job went on there without this node" in str(result), str(result)
+        assert "no longer serves it" in str(result), str(result)
         assert took < FAILOVER_WAIT + 10, f"{took:.1f}s"
+
+
+def test_a_host_waiting_alone_in_its_join_gives_way_to_a_newer_store_within_seconds() -> None:
+    """A hosts the store (endpoints: A and X); round 1 is A and B. A joins round 2 and, as its
+    decider, waits in a watch for B (alive, not joining) up to ``join_timeout``. Meanwhile a
+    newer store of the run appears at X (epoch 2, round 3: the others went on while A was
+    stopped). A must give its store up and move to X within a few looks (``YIELD_PERIOD``,
+    2 s), not once its watch ends: the look read A's own round on the client that the watch
+    held (one call at a time per client), so A sat out ``join_timeout`` alone on its store
+    (the nemesis: a node exiting 1 at the end, its round not formed, right after giving way)."""
+    port = free_port("127.0.0.2")
+    g = Group(["127.0.0.2", "127.0.0.3"], 2, members=["127.0.0.2", "127.0.0.4"], port=port,
+              join_timeout=30)
+    server: elasticstore.StoreServer | None = None
+    try:
+        a, b = g.handlers
+        g.round(0, 1)
+        g.start(0)  # A waits for B, a live participant of round 1, in a watch
+        with g.store(0) as st:
+            until(lambda: len(st.list_keys(KEYS.join_prefix(2))) == 1, 10, "A waits in round 2")
+        time.sleep(1.0)  # A's watch is in progress
+        server = elasticstore.StoreServer("127.0.0.4", port)
+        with elasticstore.Store("127.0.0.4", port, timeout=timedelta(seconds=5)) as st:
+            st.set(KEYS.round, RoundState(3, (b.node_id,)).to_json())
+            newer = HostRecord(2, b.node_id, f"127.0.0.4:{port}", g.endpoint(0), time.time())
+            st.set(KEYS.host, newer.to_json())
+        # Before: not within 25 s (the watch ends at join_timeout, 30 s).
+        took = until(lambda: moves(a) == [(f"127.0.0.4:{port}", 2)], 25,
+                     "A moved to the newer store")
+        print(f"\na newer store shown -> the host waiting in its join moved to it: {took:.2f}s")
+        assert a._backend.server is None
+        assert took < 3 * YIELD_PERIOD + 6, f"{took:.1f}s after the newer store appeared"
+    finally:
+        g.close()  # A's join, on the newer store now, ends before that store closes
+        if server is not None:
+            server.close()
+
+
+def test_a_follower_left_where_a_store_was_found_is_not_joined_as_the_runs_store() -> None:
+    """A node looks the store up (a host record at 127.0.0.3, epoch 4); before it connects,
+    that host gives its store up and a follower takes its address (``follower.py``: an empty
+    store but for its own record). Joining it would start the run afresh there (round 1 under
+    a live run id: the nemesis saw it). The connection shows no host record of that epoch: it
+    is refused as the run's store (``StoreNetworkError``, which the look-ups retry), while the
+    store itself, host record shown, is joined."""
+    port = free_port("127.0.0.3")
+    settings = backend_row("elasticstore").settings(
+        run_id=RUN, endpoint=f"127.0.0.2:{port},127.0.0.3:{port}", min_nodes=1, max_nodes=2,
+        local_addr="127.0.0.4", config={"store_timeout": 5})
+    found = HostRecord(4, "127.0.0.3-1-1", f"127.0.0.3:{port}")
+    with elasticstore.StoreServer("127.0.0.3", port) as server:
+        with elasticstore.Store("127.0.0.3", port, timeout=timedelta(seconds=5)) as st:
+            st.set(KEYS.host, found.to_json())
+        joined = native.connect_native_backend(settings, "127.0.0.3", port, first_wait=2,
+                                               expect=found)
+        joined.close()
+    follower = start_follower("127.0.0.3", port, KEYS, "127.0.0.3-1-1", None)
+    assert follower is not None
+    try:
+        with pytest.raises(elasticstore.StoreNetworkError, match="no longer serves the run's"):
+            native.connect_native_backend(settings, "127.0.0.3", port, first_wait=2,
+                                          expect=found)
+    finally:
+        follower.close()

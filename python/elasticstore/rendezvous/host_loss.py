@@ -21,7 +21,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from ..errors import StoreNetworkError
 from .backend import StoreBackend
 from .closing import RoundWatch
-from .failover import Carried, HostRecord, find_standing, survivor_may_take_over
+from .failover import (Carried, HostRecord, find_standing, store_standing,
+                       survivor_may_take_over)
 from .follower import Follower, own_follower
 from .hostprobe import HostProbe, NewerHostWatch, silent_after
 from .settings import RendezvousSettings, parse_endpoint
@@ -215,6 +216,15 @@ class HostLoss:
         state = RoundState.from_json(data) if data is not None else None
         return state.round if state is not None else 0
 
+    def _own_round(self) -> int | None:
+        """``_store_round`` read on a short connection of its own (``failover.PROBE``), not on
+        the shared client: a blocking call of the rendezvous thread holds that one (a decider's
+        watch, up to ``join_timeout``), and the newer-host watch waited for it, so a host back
+        from a stop sat out its join alone on its own store. None: the store does not answer."""
+        host, port = parse_endpoint(self._backend.endpoint)
+        found = store_standing(host.strip("[]"), port, self._keys, self._settings.store_token)
+        return found.round if found is not None else None
+
     def _close_without_quorum(self, late: BaseException) -> None:
         """The first round on a store this node took over did not form within ``join_timeout``
         (short of the quorum: more than half of the last round's nodes lost at once, restarted
@@ -252,9 +262,8 @@ class HostLoss:
         epoch = mine.epoch if mine is not None else 1
         if other.node == self._node:
             return False
-        try:
-            here = self._store_round()
-        except Exception:
+        here = self._own_round()
+        if here is None:
             return False  # this store does not answer: its loss is noticed elsewhere
         if other.epoch != epoch:
             return (other_round, other.epoch) > (here, epoch)

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from ..errors import StoreNetworkError
+from ..errors import StoreNetworkError, StoreTimeoutError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
@@ -84,20 +84,36 @@ def _should_host(settings: RendezvousSettings) -> bool:
 def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
                            server: StoreServer | None = None,
                            first_wait: float | None = None,
-                           reconnect: timedelta | None = None) -> NativeBackend:
+                           reconnect: timedelta | None = None,
+                           expect: HostRecord | None = None) -> NativeBackend:
     """A backend on the server at ``host:port``. The first connection may wait ``first_wait``
     seconds (default ``store_timeout``: for the host agent to start); once in, a lost server is
     reported within ``reconnect``, never a hang. By default ``FAILOVER_RECONNECT`` where a
     survivor may take over from the start (failover among several endpoints), else ``RECONNECT``:
     at one endpoint a survivor may take over only once it carries a round and the host record
-    (``takeover.after_round`` shortens it then; a switch of host passes ``FAILOVER_RECONNECT``)."""
+    (``takeover.after_round`` shortens it then; a switch of host passes ``FAILOVER_RECONNECT``).
+    ``expect``: the host record that named this store; raises ``StoreNetworkError`` unless the
+    server shows it (or a newer epoch): a host that gave its store up since the look-up leaves
+    a follower at its address (``follower.py``), whose empty store a node joining it would take
+    for the run's and start the run afresh in."""
     timeout = timedelta(seconds=settings.store_timeout)
     first = timedelta(seconds=settings.store_timeout if first_wait is None else first_wait)
     if reconnect is None:
         takes_over = survivor_may_take_over(settings, None)
         reconnect = FAILOVER_RECONNECT if takes_over else RECONNECT
     token = settings.store_token
-    Store(host, port, timeout=timeout, connect_timeout=first, token=token).close()
+    with Store(host, port, timeout=first if expect else timeout, connect_timeout=first,
+               token=token) as probe:
+        if expect is not None:
+            try:
+                shown = HostRecord.from_json(probe.try_get(Keys(settings.run_id).host))
+            except StoreTimeoutError as exc:  # accepted, no answer: as a failed connect
+                raise StoreNetworkError(f"{endpoint_of(host, port)}: {exc}") from exc
+            if shown is None or shown.epoch < expect.epoch:
+                raise StoreNetworkError(
+                    f"{endpoint_of(host, port)} no longer serves the run's store (looked up: "
+                    f"{expect.endpoint}, epoch {expect.epoch}; it shows "
+                    f"{'no host record' if shown is None else f'epoch {shown.epoch}'})")
     store = Store(host, port, timeout=timeout, connect_timeout=reconnect, token=token)
     return NativeBackend(store, endpoint_of(host, port), server)
 
@@ -169,7 +185,8 @@ def _run_store(settings: RendezvousSettings, first_entry: bool) -> NativeBackend
         host, port = moved.address if moved is not None else (settings.address, settings.port)
         wait = max(0.5, min(settings.store_timeout, deadline - time.monotonic()))
         try:
-            backend = connect_native_backend(settings, host, port, first_wait=wait)
+            backend = connect_native_backend(settings, host, port, first_wait=wait,
+                                             expect=moved)
         except StoreNetworkError as exc:
             if time.monotonic() >= deadline:
                 raise RendezvousConnectionError(

@@ -158,13 +158,13 @@ def _join_newer(h: SwitchingNode, record: HostRecord) -> None:
     _detach(h)
     try:
         backend = connect_native_backend(h._settings, *record.address, first_wait=FAILOVER_WAIT,
-                                         reconnect=FAILOVER_RECONNECT)
+                                         reconnect=FAILOVER_RECONNECT, expect=record)
     except (StoreNetworkError, StoreTimeoutError) as exc:
         # Its store is given up (a newer one outranked it): this node cannot carry the run.
         raise RendezvousConnectionError(
             f"rendezvous {h._settings.run_id!r}: {record.endpoint} serves a newer store of the "
-            f"run (epoch {record.epoch}) than this node's, and did not answer within "
-            f"{FAILOVER_WAIT:g}s: the job went on there without this node, and has finished "
+            f"run (epoch {record.epoch}) than this node's, and no longer serves it (looked for "
+            f"{FAILOVER_WAIT:g}s): the job went on there without this node, and has finished "
             f"since or lost that host ({exc})") from exc
     h._attach(backend)
     if previous is not None:
@@ -193,7 +193,7 @@ def _follow(h: SwitchingNode, cause: BaseException) -> None:
             try:  # it may have gone silent again since it answered the look-up: look again
                 h._attach(connect_native_backend(settings, *found.address,
                                                  first_wait=FAILOVER_WAIT,
-                                                 reconnect=FAILOVER_RECONNECT))
+                                                 reconnect=FAILOVER_RECONNECT, expect=found))
             except StoreNetworkError as exc:
                 log.info("the store at %s did not answer (%s): looking again", found.endpoint, exc)
                 found = None
@@ -274,7 +274,7 @@ def _serve(h: SwitchingNode, epoch: int, port: int) -> StoreBackend | None:
         log.warning("rendezvous %s: %s serves the store already (round %d, epoch %d): joining it",
                     s.run_id, found.record.endpoint, found.round, found.record.epoch)
         return connect_native_backend(s, *found.record.address, first_wait=FAILOVER_WAIT,
-                                      reconnect=FAILOVER_RECONNECT)
+                                      reconnect=FAILOVER_RECONNECT, expect=found.record)
     if found is not None and found.record.epoch >= epoch:
         # Seeded from an older round than this node took part in (its host took ours for lost
         # while it was stopped or cut off): never joined (its next round would repeat a number
