@@ -41,7 +41,14 @@ RECOVER = 45.0  # s: (b) training again after the last fault of a one-node episo
 JOIN_TIMEOUT = 25  # s: rdzv-conf join_timeout of the jobs (a node that cannot join gives up)
 STORE_TIMEOUT = 5  # s: rdzv-conf store_timeout (the host probe's bound, hostprobe.py)
 _THREAD_START = ("run", "_bootstrap", "_bootstrap_inner")  # threading.py's frames under any thread
+_ROUND_LINE = re.compile(r"\[elasticstore-run\] round (\d+): \d+ node\(s\) \[([^\]]*)\]")
 FINISHED_WITHOUT_IT = "is closed (finished: a job with this run id already succeeded)"
+
+
+def _pid_of(node_id: str) -> int | None:
+    """The agent's pid in a node id (``addr-pid-random``)."""
+    parts = node_id.rsplit("-", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -128,15 +135,29 @@ class Job:
                     best, addr = int(m.group(2)), m.group(1)
         return next((i for i in range(self.nodes) if self.addr(i) == addr), 0)
 
+    def last_round(self) -> list[str]:
+        """The participants (node ids) of the newest round that an agent still running printed
+        last: the round whose quorum the next one counts (it may not have trained a step yet,
+        e.g. a round that a restarted node joined); [] before any."""
+        best, members = 0, []
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                found = _ROUND_LINE.findall(self.agents.output(proc))
+                if found and int(found[-1][0]) >= best:
+                    best, members = int(found[-1][0]), found[-1][1].split(", ")
+        return members
+
     def keeps_majority(self, faults: list[Fault]) -> bool:
-        """Whether more than half of the last group's nodes are left unfaulted by ``faults``
-        (a restarted node comes back as a new member: it does not count)."""
-        found = groups(self.workdir)
-        if not found:
-            return False
-        last = found[-1].hosts
-        hit = {self.addr(f.node) for f in faults}
-        return 2 * len(last - hit) > len(last)
+        """Whether more than half of the newest round's participants are left running and
+        unfaulted by ``faults`` (a restarted node comes back as a new member: it does not
+        count). Not the last group that trained: a round formed since, bigger, is what the
+        quorum rule counts, and a test that counted the smaller group expected a recovery the
+        rule forbids."""
+        members = self.last_round()
+        hit = {self.procs[f.node].pid for f in faults}
+        running = {p.pid for p in self.procs.values() if p.poll() is None}
+        left = [m for m in members if (pid := _pid_of(m)) in running and pid not in hit]
+        return bool(members) and 2 * len(left) > len(members)
 
     def trained_after(self, since: float) -> Group | None:
         """A group that completed a step that started after ``since``."""
