@@ -570,3 +570,19 @@ def test_a_follower_left_where_a_store_was_found_is_not_joined_as_the_runs_store
                                           expect=found)
     finally:
         follower.close()
+
+
+def test_a_member_whose_process_died_is_seen_lost_at_once_by_the_others() -> None:
+    """``member_lost`` (what an agent checks when a worker fails, before it counts a failure of
+    its own): False in a healthy round; True as soon as a participant's liveness key is gone
+    (its process dead: its session closed), without waiting for the round's watcher to end the
+    round. A worker whose collective broke because a peer node died must not spend a restart
+    (seen under load: the worker's error reached its agent before the round was ended)."""
+    with group(2, 2) as g:
+        a, b = g.handlers
+        g.round(0, 1)
+        assert not a.member_lost() and not b.member_lost()
+        assert b._heartbeat is not None
+        b._heartbeat.stop()  # its session ends: as when its process dies
+        took = until(a.member_lost, 5, "A sees B lost")
+        print(f"\na member's session closed -> another sees it lost: {took:.3f}s")

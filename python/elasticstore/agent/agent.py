@@ -313,7 +313,7 @@ class Agent:
             wake_w.close()
 
     def _failed(self, what: str, worker: Any) -> tuple[str, Any]:
-        ended_elsewhere = self._num_waiting() > 0
+        ended_elsewhere = self._ended_elsewhere()
         try:
             self.handler.end_round(f"{what} on {self.s.host}")
         except Exception as exc:
@@ -337,11 +337,11 @@ class Agent:
         self.events.failure(self._failures)
         return outcome
 
-    def _num_waiting(self) -> int:
+    def _ended_elsewhere(self) -> bool:  # a peer's death may reach a worker before the watcher
         try:
-            return self.handler.num_nodes_waiting()
+            return self.handler.num_nodes_waiting() > 0 or self.handler.member_lost()
         except Exception:
-            return 0
+            return False
 
     # -- the end ------------------------------------------------------------------------------
 

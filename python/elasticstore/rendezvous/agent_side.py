@@ -176,6 +176,18 @@ class AgentSide(HostLoss):
         """This node hosts the rendezvous server or the current round's worker store."""
         return self._worker_server is not None or self._backend.server is not None
 
+    def member_lost(self) -> bool:
+        """A participant of the current round whose liveness key is gone (``api.py``)."""
+        rnd = self._round
+        if rnd is None or self._lost is not None:
+            return False
+        try:
+            with self._guard():
+                alive = {k.rsplit("/", 1)[-1] for k in self._backend.list(self._keys.alive_prefix)}
+        except Exception:  # the store is lost: noticed and handled elsewhere
+            return False
+        return any(node not in alive for node in rnd.participants)
+
     def peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
         """Whether another node of the round finished (``worker_store.peer_finished``)."""
         return peer_finished(info, attempt, self._settings.store_token)

@@ -123,6 +123,13 @@ class AgentRendezvous(Protocol):
         on a connection of its own with a short deadline (the round's store may have gone with
         its host); False when it cannot tell."""
 
+    def member_lost(self) -> bool:
+        """Whether a participant of the current round is gone (its liveness key vanished; on
+        the native store that is at once when its process dies); one list call, False when
+        it cannot tell. A peer node's death can reach a worker here (its collective's
+        connection reset) before the round's watcher ended the round: that worker's failure
+        is the peer's loss, not one of this node's."""
+
     def step_aside(self) -> None:
         """This node stays out of the rendezvous for now (its health check failed): leaves the
         current round and withdraws its liveness key, so the others neither wait for it to come
@@ -237,6 +244,9 @@ class BasicRendezvous:
         return []
 
     def peers_done(self, info: RendezvousInfo, attempt: int) -> bool:
+        return False
+
+    def member_lost(self) -> bool:
         return False
 
     def step_aside(self) -> None:
