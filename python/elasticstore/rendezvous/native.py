@@ -19,7 +19,7 @@ from ..errors import StoreNetworkError, StoreTimeoutError
 from ..stores.native.server import StoreServer
 from ..stores.native.store import Store
 from .backend import KeepFresh, StoreBackend
-from .failover import HostRecord, endpoint_of, listening, survivor_may_take_over
+from .failover import HostRecord, endpoint_of, listening, read_host, survivor_may_take_over
 from .follower import survey
 from .settings import RendezvousSettings
 from .state import Keys
@@ -106,7 +106,7 @@ def connect_native_backend(settings: RendezvousSettings, host: str, port: int,
                token=token) as probe:
         if expect is not None:
             try:
-                shown = HostRecord.from_json(probe.try_get(Keys(settings.run_id).host))
+                shown = read_host(probe, Keys(settings.run_id))
             except StoreTimeoutError as exc:  # accepted, no answer: as a failed connect
                 raise StoreNetworkError(f"{endpoint_of(host, port)}: {exc}") from exc
             if shown is None or shown.epoch < expect.epoch:
